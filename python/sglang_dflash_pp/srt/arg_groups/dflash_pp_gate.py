@@ -1,0 +1,207 @@
+"""Argument gate for DFLASH with ``--pp-size > 1`` (the patch to ``arg_groups/speculative_hook.py``
+and ``arg_groups/validation_hook.py`` of sglang 0.5.23).
+
+Upstream refuses the combination in two places:
+
+* ``speculative_hook._handle_dflash`` raises ``only supports pp_size == 1`` (resolution time).
+  AROUND hook: for ``pp_size > 1`` we check what this plugin supports, then run the stock
+  handler with ``pp_size`` reading 1 (a temporary declaration on the resolving view, removed by
+  identity afterwards), so every other DFLASH decision (draft-token count from the draft's block
+  size, steps, topk, draft attention backend, running-request cap) is made exactly as for PP1.
+* ``validation_hook.check_pipeline_parallel_compat`` asserts EAGLE/DSPARK only (launch time).
+  AROUND hook: for DFLASH we apply our refusals, then run the stock checks through a view on which
+  the algorithm reads ``DSPARK``, whose PP branch (PD prefill, no ``SGLANG_ENABLE_PP_SPEC``) is the
+  contract we share; the common PP assertions (overlap off, ``--min-free-slots-delay``) still run.
+
+Everything is decided before serving, because under PP an exception on one stage leaves the other
+stages blocked in their receive forever. With ``pp_size == 1`` or another algorithm both hooks call
+the original untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+from sglang_dflash_pp.hooks import PluginHook, require_hooks_applied
+from sglang_dflash_pp.srt.speculative.draft_config_checks import (
+    target_layer_ids_refusal,
+)
+
+logger = logging.getLogger(__name__)
+
+CONFIGURATION = "DFLASH with --pp-size > 1"
+_MASK_SOURCE = "sglang_dflash_pp.dflash_pp_gate.pp_size_mask"
+
+
+def _is_dflash(algorithm: Any) -> bool:
+    return algorithm is not None and str(algorithm).upper() == "DFLASH"
+
+
+def serving_refusal(cfg: Any) -> Optional[str]:
+    """The first reason the serving topology in ``cfg`` cannot run DFLASH with PP, or None."""
+    from sglang.srt.environ import envs
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    pp = int(cfg.pp_size)
+    if cfg.disaggregation_mode != "prefill":
+        where = (
+            "a PD decode server"
+            if cfg.disaggregation_mode == "decode"
+            else "a server without PD disaggregation"
+        )
+        return (
+            f"DFLASH with --pp-size {pp} is not supported on {where}. Pipeline parallelism "
+            "with DFLASH is only supported on the PD prefill server "
+            "(--disaggregation-mode prefill); run the decode server and non-disaggregated "
+            "DFLASH with --pp-size 1."
+        )
+    if cfg.disaggregation_transfer_backend != "mooncake":
+        return (
+            f"DFLASH with --pp-size {pp} requires --disaggregation-transfer-backend mooncake "
+            f"(got {cfg.disaggregation_transfer_backend!r}): only the Mooncake path carries "
+            "the draft KV head-aware from the last PP stage."
+        )
+    if envs.SGLANG_ENABLE_PP_SPEC.get():
+        return (
+            "SGLANG_ENABLE_PP_SPEC replaces the PP relay with an EAGLE-shaped one that does not "
+            f"carry the DFLASH context partial; unset it to run DFLASH with --pp-size {pp} "
+            "on a PD prefill server."
+        )
+    if cfg.cuda_graph_config.prefill.backend != Backend.DISABLED:
+        return (
+            f"DFLASH with --pp-size {pp} does not support a PP prefill CUDA graph (requested "
+            f"backend {cfg.cuda_graph_config.prefill.backend!r}): the captured graph would hold "
+            "the raw target-hidden relay instead of the context partial. Drop "
+            "--cuda-graph-backend-prefill or pass --cuda-graph-backend-prefill disabled."
+        )
+    return None
+
+
+def draft_projection_refusal(cfg: Any) -> Optional[str]:
+    """Refuse drafts whose ``fc`` cannot be split into per-feature column blocks."""
+    from sglang.srt.models.dflash import DFlashDraftModel
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.speculative.dflash_utils import (
+        is_nemotron_35_draft_config,
+        parse_dflash_draft_config,
+    )
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    draft_hf_config = get_config(
+        cfg.speculative_draft_model_path,
+        trust_remote_code=cfg.trust_remote_code,
+        revision=cfg.speculative_draft_model_revision,
+        model_override_args=json.loads(cfg.json_model_override_args),
+    )
+    path = cfg.speculative_draft_model_path
+    architectures = list(getattr(draft_hf_config, "architectures", None) or [])
+    model_cls, arch = ModelRegistry.resolve_model_cls(architectures)
+    if not issubclass(model_cls, DFlashDraftModel):
+        return (
+            f"The draft at {path} resolves to {arch} ({model_cls.__name__}), which is not a "
+            "DFlashDraftModel; DFLASH with --pp-size > 1 needs a DFlash draft."
+        )
+    if (
+        model_cls.supports_quantization
+        or is_nemotron_35_draft_config(draft_hf_config)
+        or getattr(draft_hf_config, "quantization_config", None)
+    ):
+        return (
+            f"The draft at {path} ({arch}) has a quantised fc (ReplicatedLinear with a quant "
+            "config); its per-feature column blocks cannot be sliced for the PP partial "
+            "projection. Use an unquantised bf16/fp16 DFlash draft, or --pp-size 1."
+        )
+    if model_cls.project_target_hidden is not DFlashDraftModel.project_target_hidden:
+        return (
+            f"The draft at {path} ({arch}) overrides project_target_hidden, so its context "
+            "projection is not a plain linear fc over the concatenated features and cannot be "
+            "computed as per-stage partial sums. Use a plain DFlashDraftModel draft, or "
+            "--pp-size 1."
+        )
+    draft_config = parse_dflash_draft_config(draft_hf_config=draft_hf_config)
+    return target_layer_ids_refusal(draft_config.target_layer_ids, where=path)
+
+
+@contextmanager
+def _pp_size_reads_one(server_args: Any) -> Iterator[None]:
+    """Make the resolving view read ``pp_size == 1`` while the stock handler runs."""
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    declare_resolution(server_args, _MASK_SOURCE, pp_size=1)
+    mask = server_args._resolved_overrides[-1]
+    try:
+        yield
+    finally:
+        stash = server_args._resolved_overrides
+        for i, entry in enumerate(stash):
+            if entry is mask:
+                del stash[i]
+                break
+
+
+def handle_dflash_around(original, server_args, *args, **kwargs):
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    cfg = resolving_view(server_args)
+    if int(cfg.pp_size) == 1:
+        return original(server_args, *args, **kwargs)
+
+    require_hooks_applied(CONFIGURATION)
+    refusal = serving_refusal(cfg)
+    if refusal:
+        raise ValueError(refusal)
+    with _pp_size_reads_one(server_args):
+        result = original(server_args, *args, **kwargs)
+    refusal = draft_projection_refusal(cfg)
+    if refusal:
+        raise ValueError(refusal)
+    logger.info(
+        "DFLASH with --pp-size %d on a PD prefill server: the draft runs on the last PP stage; "
+        "earlier stages carry the partial context projection.",
+        int(cfg.pp_size),
+    )
+    return result
+
+
+class _AlgorithmReadsAs:
+    """Read-through view of a resolving config whose ``speculative_algorithm`` is replaced."""
+
+    __slots__ = ("_cfg", "_algorithm")
+
+    def __init__(self, cfg: Any, algorithm: str):
+        object.__setattr__(self, "_cfg", cfg)
+        object.__setattr__(self, "_algorithm", algorithm)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "speculative_algorithm":
+            return object.__getattribute__(self, "_algorithm")
+        return getattr(object.__getattribute__(self, "_cfg"), name)
+
+
+def check_pipeline_parallel_compat_around(original, cfg, *args, **kwargs):
+    if not _is_dflash(cfg.speculative_algorithm):
+        return original(cfg, *args, **kwargs)
+    require_hooks_applied(CONFIGURATION)
+    refusal = serving_refusal(cfg)
+    if refusal:
+        raise ValueError(refusal)
+    return original(_AlgorithmReadsAs(cfg, "DSPARK"), *args, **kwargs)
+
+
+HOOKS = (
+    PluginHook(
+        "sglang.srt.arg_groups.speculative_hook._handle_dflash",
+        handle_dflash_around,
+        "around",
+        "resolve DFLASH with --pp-size > 1 on a PD prefill server",
+    ),
+    PluginHook(
+        "sglang.srt.arg_groups.validation_hook.check_pipeline_parallel_compat",
+        check_pipeline_parallel_compat_around,
+        "around",
+        "accept DFLASH in the launch-time pipeline-parallel checks",
+    ),
+)

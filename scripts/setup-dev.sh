@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Set up a development / CI environment from a clean clone on a fresh Debian machine:
+# system libraries for the non-CUDA Mooncake engine, then a virtualenv at .venv with the
+# project and its test extra (sglang==0.5.23, pytest, hypothesis, mooncake non-CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
+if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q libnuma.so.1; then
+  $SUDO apt-get update -q
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 libnuma1
+fi
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -c "import sglang_dflash_pp, mooncake.engine; print('environment ready')"

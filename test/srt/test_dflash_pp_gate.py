@@ -1,0 +1,248 @@
+"""The DFLASH x PP argument gate, on the real ``ServerArgs`` resolution of sglang 0.5.23.
+
+``device="cuda"`` is only a string during resolution (no CUDA call is made); it gets past the
+DFLASH device gate on this CPU machine, as in ``shared/design/cpu-harness.md`` item 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from resolution import resolve
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Fields that DFLASH resolution decides; they must come out the same for PP1 and PP>1.
+DFLASH_FIELDS = (
+    "speculative_algorithm",
+    "speculative_num_draft_tokens",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_draft_attention_backend",
+    "max_running_requests",
+)
+
+
+def _args(dirs, *, pp_size=2, mode="prefill", draft="draft", target="target", **extra):
+    kwargs = dict(
+        model_path=dirs[target],
+        speculative_algorithm="DFLASH",
+        speculative_draft_model_path=dirs[draft],
+        pp_size=pp_size,
+        disaggregation_mode=mode,
+        disaggregation_transfer_backend="mooncake",
+        device="cuda",
+        random_seed=0,  # otherwise drawn per resolution
+    )
+    kwargs.update(extra)
+    return kwargs
+
+
+def _error(outcome):
+    assert "error" in outcome, f"expected a refusal, got a resolved config: {outcome}"
+    return outcome["error"]
+
+
+@pytest.mark.parametrize("pp_size", [2, 8])
+def test_accepted_combination_resolves_like_pp1(sglang_with_plugin, model_dirs, pp_size):
+    pp = resolve(_args(model_dirs, pp_size=pp_size))
+    pp1 = resolve(_args(model_dirs, pp_size=1))
+    assert "resolved" in pp, pp
+    resolved, resolved_pp1 = pp["resolved"], pp1["resolved"]
+    assert resolved["pp_size"] == pp_size
+    # The draft's block_size (8 in the tiny config) sets the verify width, as for PP1.
+    assert resolved["speculative_num_draft_tokens"] == 8
+    assert resolved["speculative_num_steps"] == 1
+    assert resolved["speculative_eagle_topk"] == 1
+    assert resolved["max_running_requests"] == 48
+    for field in DFLASH_FIELDS:
+        assert resolved[field] == resolved_pp1[field], field
+    assert resolved["disable_overlap_schedule"] is True  # PP forces it; PP1 prefill keeps it
+
+
+def test_pp_size_mask_is_removed_after_resolution(sglang_with_plugin, model_dirs):
+    from sglang.srt.arg_groups.overrides import resolution_result
+    from sglang.srt.server_args import ServerArgs
+
+    sa = ServerArgs(**_args(model_dirs, pp_size=4))
+    sa.resolve_once()
+    assert resolution_result(sa, "pp_size") == 4
+    sources = [source for source, _ in sa._resolved_overrides]
+    assert not any("pp_size_mask" in s for s in sources), sources
+
+
+def test_kimi_k3_target_resolves(sglang_with_plugin, model_dirs):
+    outcome = resolve(
+        _args(
+            model_dirs,
+            target="kimi_k3",
+            draft="draft_k3",
+            trust_remote_code=True,
+            mamba_radix_cache_strategy="no_buffer",
+        )
+    )
+    assert "resolved" in outcome, outcome
+    assert outcome["resolved"]["pp_size"] == 2
+    assert outcome["resolved"]["speculative_num_draft_tokens"] == 8
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (dict(mode="decode"), ["not supported on a PD decode server", "--pp-size 1"]),
+        (
+            dict(mode="null"),
+            ["without PD disaggregation", "--disaggregation-mode prefill"],
+        ),
+        (
+            dict(disaggregation_transfer_backend="nixl"),
+            ["--disaggregation-transfer-backend mooncake"],
+        ),
+        (
+            dict(cuda_graph_backend_prefill="breakable"),
+            ["PP prefill CUDA graph", "--cuda-graph-backend-prefill disabled"],
+        ),
+        (
+            dict(draft="draft_quantised"),
+            ["quantised fc", "unquantised", "--pp-size 1"],
+        ),
+        (
+            dict(draft="draft_laguna"),
+            ["overrides project_target_hidden", "plain DFlashDraftModel"],
+        ),
+        (
+            dict(draft="draft_unsorted"),
+            ["out of order", "ascending", "[1, 3, 5, 7]"],
+        ),
+        (dict(draft="draft_duplicated"), ["duplicates [3]", "target_layer_ids"]),
+    ],
+    ids=[
+        "decode",
+        "no-pd",
+        "nixl",
+        "prefill-cuda-graph",
+        "quantised-fc",
+        "laguna-projection",
+        "unsorted-ids",
+        "duplicated-ids",
+    ],
+)
+def test_refused_combinations(sglang_with_plugin, model_dirs, overrides, fragments):
+    error = _error(resolve(_args(model_dirs, **overrides)))
+    for fragment in fragments:
+        assert fragment in error, error
+
+
+def test_pp_spec_env_is_refused(sglang_with_plugin, model_dirs, monkeypatch):
+    monkeypatch.setenv("SGLANG_ENABLE_PP_SPEC", "1")
+    error = _error(resolve(_args(model_dirs)))
+    assert "unset it" in error and "SGLANG_ENABLE_PP_SPEC" in error, error
+
+
+def test_launch_time_check_accepts_dflash_and_keeps_common_pp_asserts(sglang_with_plugin):
+    """``check_pipeline_parallel_compat`` on a config-shaped object, as check_server_args calls it."""
+    from types import SimpleNamespace
+
+    from sglang.srt.arg_groups.validation_hook import check_pipeline_parallel_compat
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    def cfg(**kw):
+        base = dict(
+            speculative_algorithm="DFLASH",
+            disaggregation_mode="prefill",
+            disaggregation_transfer_backend="mooncake",
+            disable_overlap_schedule=True,
+            min_free_slots_delay=None,
+            enable_multi_layer_eagle=False,
+            pp_size=2,
+            cuda_graph_config=SimpleNamespace(
+                prefill=SimpleNamespace(backend=Backend.DISABLED)
+            ),
+        )
+        base.update(kw)
+        return SimpleNamespace(**base)
+
+    check_pipeline_parallel_compat(cfg())
+    with pytest.raises(AssertionError, match="overlap schedule"):
+        check_pipeline_parallel_compat(cfg(disable_overlap_schedule=False))
+    with pytest.raises(AssertionError, match="min-free-slots-delay"):
+        check_pipeline_parallel_compat(cfg(min_free_slots_delay=4))
+    with pytest.raises(ValueError, match="PD decode server"):
+        check_pipeline_parallel_compat(cfg(disaggregation_mode="decode"))
+    # Not ours: stock EAGLE-only assertion still fires for other algorithms.
+    with pytest.raises(AssertionError, match="only supports EAGLE"):
+        check_pipeline_parallel_compat(cfg(speculative_algorithm="NGRAM"))
+
+
+def test_unapplied_hook_aborts_startup_naming_it(sglang_with_plugin, model_dirs, monkeypatch):
+    import sglang.srt.arg_groups.validation_hook as validation_hook
+
+    patched = validation_hook.check_pipeline_parallel_compat
+    monkeypatch.setattr(
+        validation_hook, "check_pipeline_parallel_compat", patched.__wrapped__
+    )
+    error = _error(resolve(_args(model_dirs)))
+    assert "RuntimeError" in error
+    assert "sglang.srt.arg_groups.validation_hook.check_pipeline_parallel_compat" in error
+    assert "Failed to apply hooks" in error
+    # The same configuration at PP1 does not depend on us and still resolves.
+    assert "resolved" in resolve(_args(model_dirs, pp_size=1))
+
+
+def _stock_cases(dirs):
+    draft_eagle = dirs["target"]  # any config works for the argument phase of EAGLE
+    return {
+        "dflash_pp1_prefill": _args(dirs, pp_size=1),
+        "dflash_pp1_null": _args(dirs, pp_size=1, mode="null"),
+        "dflash_pp1_decode": _args(dirs, pp_size=1, mode="decode"),
+        "dspark_pp2_prefill": dict(
+            _args(dirs),
+            speculative_algorithm="DSPARK",
+        ),
+        "eagle_pp2_prefill": dict(
+            _args(dirs),
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path=draft_eagle,
+            speculative_num_steps=3,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=4,
+        ),
+        "no_spec_pp2_prefill": dict(
+            model_path=dirs["target"],
+            pp_size=2,
+            disaggregation_mode="prefill",
+            disaggregation_transfer_backend="mooncake",
+            device="cuda",
+            random_seed=0,
+        ),
+    }
+
+
+def test_other_configurations_resolve_exactly_as_stock(sglang_with_plugin, model_dirs, tmp_path):
+    """Resolve the same cases with our plugin (here) and with no plugin (a subprocess that
+    whitelists no plugin through SGLANG_PLUGINS); the outcomes must be identical."""
+    cases = _stock_cases(model_dirs)
+    cases_file = tmp_path / "cases.json"
+    cases_file.write_text(json.dumps(cases))
+    env = dict(os.environ, SGLANG_PLUGINS="no-plugin-at-all")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "resolution.py"), str(cases_file)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    stock = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours = {name: resolve(kwargs) for name, kwargs in cases.items()}
+    assert set(stock) == set(ours)
+    # Guard against a vacuous comparison: every case really resolves, not just fails alike.
+    for name, outcome in stock.items():
+        assert "resolved" in outcome, (name, outcome)
+    for name in cases:
+        assert ours[name] == stock[name], name
