@@ -20,7 +20,10 @@ from sglang_dflash_pp.hooks import PluginHook, record_registered, registered_hoo
 logger = logging.getLogger(__name__)
 
 # Each module is "the patch to one upstream file" and exports HOOKS.
-HOOK_MODULES = ("sglang_dflash_pp.srt.arg_groups.dflash_pp_gate",)
+HOOK_MODULES = (
+    "sglang_dflash_pp.srt.arg_groups.dflash_pp_gate",
+    "sglang_dflash_pp.srt.models.dflash",
+)
 
 
 def _installed_sglang_version() -> Optional[str]:

@@ -54,3 +54,27 @@ def model_dirs(tmp_path_factory):
         ),
     }
     return dirs
+
+
+@pytest.fixture(scope="session")
+def single_process_dist(sglang_with_plugin):
+    """World-size-1 gloo distributed state and a published runtime context, as sglang's own
+    layer tests set it up (``sglang.test.layer_ut_utils.init_single_process_dist``); the srt
+    layers read their TP groups from it even at TP1.
+
+    Test-side shim: ``RotaryEmbedding`` binds a CUDA fallback kernel unless the module-level
+    ``_is_cpu`` flag (frozen at import from SGLANG_USE_CPU_ENGINE, which would switch the whole
+    platform to a CPU-kernel build that is not installable here) is set; on this CPU-only
+    machine we set it so RoPE runs its native torch path."""
+    import socket
+
+    import sglang.srt.layers.rotary_embedding.base as rotary_base
+    from sglang.test.layer_ut_utils import init_single_process_dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_single_process_dist(master_port=port)
+    rotary_base._is_cpu = True
+    return True
+
