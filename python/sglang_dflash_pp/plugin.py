@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 HOOK_MODULES = (
     "sglang_dflash_pp.srt.arg_groups.dflash_pp_gate",
     "sglang_dflash_pp.srt.models.dflash",
+    "sglang_dflash_pp.srt.speculative.worker_selection",
+    "sglang_dflash_pp.srt.managers.scheduler_pp_relay",
 )
 
 

@@ -26,31 +26,30 @@ def model_dirs(tmp_path_factory):
     """Tiny config-only model directories (no weights): dense target, Kimi-K3, DFlash drafts."""
     root = tmp_path_factory.mktemp("models")
     d = lambda name: str(root / name)  # noqa: E731
+    k3_draft = lambda ids, **kw: tiny_models.dflash_draft_config(  # noqa: E731
+        ids, hidden=128, head_dim=32, num_target_layers=8, **kw
+    )
     dirs = {
         "target": tiny_models.write_model_dir(d("target"), tiny_models.llama_target_config()),
-        "kimi_k3": tiny_models.write_model_dir(d("kimi_k3"), tiny_models.kimi_k3_text_config()),
+        "kimi_k3": tiny_models.write_model_dir(d("kimi_k3"), tiny_models.kimi_k3_text_config(8)),
         "draft": tiny_models.write_model_dir(d("draft"), tiny_models.dflash_draft_config()),
-        "draft_k3": tiny_models.write_model_dir(
-            d("draft_k3"),
-            tiny_models.dflash_draft_config(
-                (0, 1, 2, 3), hidden=128, num_target_layers=4, head_dim=32
-            ),
-        ),
+        "draft_k3": tiny_models.write_model_dir(d("draft_k3"), k3_draft((1, 3, 5, 7))),
+        "draft_k3_early": tiny_models.write_model_dir(d("draft_k3_early"), k3_draft((0, 1, 2))),
         "draft_unsorted": tiny_models.write_model_dir(
-            d("draft_unsorted"), tiny_models.dflash_draft_config((5, 1, 3, 7))
+            d("draft_unsorted"), k3_draft((5, 1, 3, 7))
         ),
         "draft_duplicated": tiny_models.write_model_dir(
-            d("draft_duplicated"), tiny_models.dflash_draft_config((1, 3, 3, 7))
+            d("draft_duplicated"), k3_draft((1, 3, 3, 7))
         ),
         "draft_quantised": tiny_models.write_model_dir(
             d("draft_quantised"),
-            tiny_models.dflash_draft_config(
-                quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"}
+            k3_draft(
+                (1, 3, 5, 7),
+                quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"},
             ),
         ),
         "draft_laguna": tiny_models.write_model_dir(
-            d("draft_laguna"),
-            tiny_models.dflash_draft_config(architecture="DFlashLagunaForCausalLM"),
+            d("draft_laguna"), k3_draft((1, 3, 5, 7), architecture="DFlashLagunaForCausalLM")
         ),
     }
     return dirs
@@ -77,4 +76,125 @@ def single_process_dist(sglang_with_plugin):
     init_single_process_dist(master_port=port)
     rotary_base._is_cpu = True
     return True
+
+
+class CpuSglangServer:
+    """A real ``python -m sglang.launch_server`` on this CPU box (cpu-harness.md item 5): tiny
+    random Llama, byte-level tokenizer, stub ``vllm`` on PYTHONPATH. Started on demand; the
+    whole process tree (launcher, scheduler, detokenizer) is killed on every exit path."""
+
+    STARTUP_TIMEOUT_S = 300
+
+    def __init__(self, root):
+        import tiny_models as tm
+
+        self.root = str(root)
+        self.model_dir = tm.write_tiny_llama_with_weights(os.path.join(self.root, "llama"))
+        self.stub_dir = tm.write_vllm_stub(os.path.join(self.root, "stub"))
+        self.proc = None
+        self.port = None
+        self.log_path = None
+        self.starts = 0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        import socket
+        import subprocess
+        import sys
+        import time
+
+        import requests
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.starts += 1
+        self.log_path = os.path.join(self.root, f"server-{self.starts}.log")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.stub_dir, env.get("PYTHONPATH")]))
+        env.pop("SGLANG_USE_CPU_ENGINE", None)  # cpu-harness.md: must stay unset
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_dir,
+            "--device", "cpu",
+            "--max-total-tokens", "2048",
+            "--max-running-requests", "4",
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+        ]  # fmt: skip
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + self.STARTUP_TIMEOUT_S
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"sglang server exited with {self.proc.returncode}")
+                try:
+                    if requests.get(self.base_url + "/health", timeout=2).status_code == 200:
+                        return
+                except requests.RequestException:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"sglang server not healthy after {self.STARTUP_TIMEOUT_S} s")
+                time.sleep(1)
+        except BaseException as e:
+            self.kill()
+            with open(self.log_path) as f:
+                tail = f.read()[-4000:]
+            raise RuntimeError(f"{e}; log tail:\n{tail}") from None
+
+    def ensure_running(self) -> "CpuSglangServer":
+        if not self.alive():
+            self.kill()
+            self.start()
+        return self
+
+    def kill(self, sig=None) -> None:
+        """Signal the launcher and every descendant by pid (SIGKILL by default), then reap."""
+        import signal
+
+        import psutil
+
+        if self.proc is None:
+            return
+        sig = signal.SIGKILL if sig is None else sig
+        try:
+            parent = psutil.Process(self.proc.pid)
+            family = parent.children(recursive=True) + [parent]
+        except psutil.NoSuchProcess:
+            family = []
+        for p in family:
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(family, timeout=30)
+        try:
+            self.proc.wait(timeout=30)
+        except Exception:
+            pass
+
+
+@pytest.fixture(scope="session")
+def cpu_server_factory(tmp_path_factory):
+    """One CPU SGLang server per test session (started by the first test that asks for it)."""
+    server = CpuSglangServer(tmp_path_factory.mktemp("cpu_server"))
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def cpu_server(cpu_server_factory):
+    """The session's CPU server, restarted first if an earlier test killed it on purpose."""
+    return cpu_server_factory.ensure_running()
 

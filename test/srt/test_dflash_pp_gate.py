@@ -28,7 +28,8 @@ DFLASH_FIELDS = (
 )
 
 
-def _args(dirs, *, pp_size=2, mode="prefill", draft="draft", target="target", **extra):
+def _args(dirs, *, pp_size=2, mode="prefill", draft="draft_k3", target="kimi_k3", **extra):
+    """Kimi-K3 (tiny, 8 layers) with a DFlash draft capturing layers 1, 3, 5, 7."""
     kwargs = dict(
         model_path=dirs[target],
         speculative_algorithm="DFLASH",
@@ -38,8 +39,18 @@ def _args(dirs, *, pp_size=2, mode="prefill", draft="draft", target="target", **
         disaggregation_transfer_backend="mooncake",
         device="cuda",
         random_seed=0,  # otherwise drawn per resolution
+        trust_remote_code=True,
+        # CPU box: the default mamba cache strategy needs a platform with state snapshots.
+        mamba_radix_cache_strategy="no_buffer",
     )
     kwargs.update(extra)
+    return kwargs
+
+
+def _dense_args(dirs, **kw):
+    """A dense Llama target with a DFlash draft: not our business unless pp_size > 1."""
+    kwargs = _args(dirs, target="target", draft="draft", **kw)
+    del kwargs["mamba_radix_cache_strategy"]
     return kwargs
 
 
@@ -76,21 +87,6 @@ def test_pp_size_mask_is_removed_after_resolution(sglang_with_plugin, model_dirs
     assert not any("pp_size_mask" in s for s in sources), sources
 
 
-def test_kimi_k3_target_resolves(sglang_with_plugin, model_dirs):
-    outcome = resolve(
-        _args(
-            model_dirs,
-            target="kimi_k3",
-            draft="draft_k3",
-            trust_remote_code=True,
-            mamba_radix_cache_strategy="no_buffer",
-        )
-    )
-    assert "resolved" in outcome, outcome
-    assert outcome["resolved"]["pp_size"] == 2
-    assert outcome["resolved"]["speculative_num_draft_tokens"] == 8
-
-
 @pytest.mark.parametrize(
     "overrides, fragments",
     [
@@ -120,6 +116,14 @@ def test_kimi_k3_target_resolves(sglang_with_plugin, model_dirs):
             ["out of order", "ascending", "[1, 3, 5, 7]"],
         ),
         (dict(draft="draft_duplicated"), ["duplicates [3]", "target_layer_ids"]),
+        (
+            dict(target="target", draft="draft"),
+            ["captures them on the last stage only", "LlamaForCausalLM", "--pp-size 1"],
+        ),
+        (
+            dict(draft="draft_k3_early"),
+            ["last PP stage (layers [4, 8)) captures none", "SGLANG_PP_LAYER_PARTITION"],
+        ),
     ],
     ids=[
         "decode",
@@ -130,12 +134,23 @@ def test_kimi_k3_target_resolves(sglang_with_plugin, model_dirs):
         "laguna-projection",
         "unsorted-ids",
         "duplicated-ids",
+        "dense-target",
+        "last-stage-owns-nothing",
     ],
 )
 def test_refused_combinations(sglang_with_plugin, model_dirs, overrides, fragments):
     error = _error(resolve(_args(model_dirs, **overrides)))
     for fragment in fragments:
         assert fragment in error, error
+
+
+def test_layer_partition_env_moves_ownership(sglang_with_plugin, model_dirs, monkeypatch):
+    # [0, 1), [1, 8): the last stage now captures layers 0, 1, 2 -> accepted.
+    monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", "1,7")
+    assert "resolved" in resolve(_args(model_dirs, draft="draft_k3_early"))
+    monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", "4,3")
+    error = _error(resolve(_args(model_dirs)))
+    assert "does not match num_hidden_layers" in error, error
 
 
 def test_pp_spec_env_is_refused(sglang_with_plugin, model_dirs, monkeypatch):
@@ -197,15 +212,16 @@ def test_unapplied_hook_aborts_startup_naming_it(sglang_with_plugin, model_dirs,
 def _stock_cases(dirs):
     draft_eagle = dirs["target"]  # any config works for the argument phase of EAGLE
     return {
-        "dflash_pp1_prefill": _args(dirs, pp_size=1),
-        "dflash_pp1_null": _args(dirs, pp_size=1, mode="null"),
-        "dflash_pp1_decode": _args(dirs, pp_size=1, mode="decode"),
+        "dflash_pp1_prefill": _dense_args(dirs, pp_size=1),
+        "dflash_pp1_null": _dense_args(dirs, pp_size=1, mode="null"),
+        "dflash_pp1_decode": _dense_args(dirs, pp_size=1, mode="decode"),
+        "dflash_k3_pp1_prefill": _args(dirs, pp_size=1),
         "dspark_pp2_prefill": dict(
-            _args(dirs),
+            _dense_args(dirs),
             speculative_algorithm="DSPARK",
         ),
         "eagle_pp2_prefill": dict(
-            _args(dirs),
+            _dense_args(dirs),
             speculative_algorithm="EAGLE",
             speculative_draft_model_path=draft_eagle,
             speculative_num_steps=3,

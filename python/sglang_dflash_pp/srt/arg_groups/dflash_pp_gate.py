@@ -8,6 +8,10 @@ Upstream refuses the combination in two places:
   handler with ``pp_size`` reading 1 (a temporary declaration on the resolving view, removed by
   identity afterwards), so every other DFLASH decision (draft-token count from the draft's block
   size, steps, topk, draft attention backend, running-request cap) is made exactly as for PP1.
+  Then the draft and the target are checked: a plain, unquantised ``fc`` with ascending unique
+  ``target_layer_ids``; a target that captures on every PP stage (Kimi-K3); and a PP partition
+  (sglang's own, honouring ``SGLANG_PP_LAYER_PARTITION``) under which the last stage owns a
+  feature.
 * ``validation_hook.check_pipeline_parallel_compat`` asserts EAGLE/DSPARK only (launch time).
   AROUND hook: for DFLASH we apply our refusals, then run the stock checks through a view on which
   the algorithm reads ``DSPARK``, whose PP branch (PD prefill, no ``SGLANG_ENABLE_PP_SPEC``) is the
@@ -26,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 from sglang_dflash_pp.hooks import PluginHook, require_hooks_applied
+from sglang_dflash_pp.srt.models.capture_ownership import compute_feature_ownership
 from sglang_dflash_pp.srt.speculative.draft_config_checks import (
     target_layer_ids_refusal,
 )
@@ -80,7 +85,24 @@ def serving_refusal(cfg: Any) -> Optional[str]:
     return None
 
 
-def draft_projection_refusal(cfg: Any) -> Optional[str]:
+# Targets whose 0.5.23 model relays DFLASH captures between PP stages (``dspark_hidden_states``)
+# with the capture semantics of ``capture_ownership``. Other targets (Llama, Qwen3, ...) install
+# their DFLASH taps on the last PP rank only, so earlier layers would never be captured.
+SUPPORTED_TARGETS = ("KimiK3LinearForCausalLM", "KimiK3ForConditionalGeneration")
+
+
+def _hf_config(cfg: Any, path: str, revision: Optional[str]):
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    return get_config(
+        path,
+        trust_remote_code=cfg.trust_remote_code,
+        revision=revision,
+        model_override_args=json.loads(cfg.json_model_override_args),
+    )
+
+
+def draft_projection_refusal(draft_hf_config: Any, where: str) -> Optional[str]:
     """Refuse drafts whose ``fc`` cannot be split into per-feature column blocks."""
     from sglang.srt.models.dflash import DFlashDraftModel
     from sglang.srt.models.registry import ModelRegistry
@@ -88,20 +110,12 @@ def draft_projection_refusal(cfg: Any) -> Optional[str]:
         is_nemotron_35_draft_config,
         parse_dflash_draft_config,
     )
-    from sglang.srt.utils.hf_transformers_utils import get_config
 
-    draft_hf_config = get_config(
-        cfg.speculative_draft_model_path,
-        trust_remote_code=cfg.trust_remote_code,
-        revision=cfg.speculative_draft_model_revision,
-        model_override_args=json.loads(cfg.json_model_override_args),
-    )
-    path = cfg.speculative_draft_model_path
     architectures = list(getattr(draft_hf_config, "architectures", None) or [])
     model_cls, arch = ModelRegistry.resolve_model_cls(architectures)
     if not issubclass(model_cls, DFlashDraftModel):
         return (
-            f"The draft at {path} resolves to {arch} ({model_cls.__name__}), which is not a "
+            f"The draft at {where} resolves to {arch} ({model_cls.__name__}), which is not a "
             "DFlashDraftModel; DFLASH with --pp-size > 1 needs a DFlash draft."
         )
     if (
@@ -110,19 +124,50 @@ def draft_projection_refusal(cfg: Any) -> Optional[str]:
         or getattr(draft_hf_config, "quantization_config", None)
     ):
         return (
-            f"The draft at {path} ({arch}) has a quantised fc (ReplicatedLinear with a quant "
+            f"The draft at {where} ({arch}) has a quantised fc (ReplicatedLinear with a quant "
             "config); its per-feature column blocks cannot be sliced for the PP partial "
             "projection. Use an unquantised bf16/fp16 DFlash draft, or --pp-size 1."
         )
     if model_cls.project_target_hidden is not DFlashDraftModel.project_target_hidden:
         return (
-            f"The draft at {path} ({arch}) overrides project_target_hidden, so its context "
+            f"The draft at {where} ({arch}) overrides project_target_hidden, so its context "
             "projection is not a plain linear fc over the concatenated features and cannot be "
             "computed as per-stage partial sums. Use a plain DFlashDraftModel draft, or "
             "--pp-size 1."
         )
     draft_config = parse_dflash_draft_config(draft_hf_config=draft_hf_config)
-    return target_layer_ids_refusal(draft_config.target_layer_ids, where=path)
+    return target_layer_ids_refusal(draft_config.target_layer_ids, where=where)
+
+
+def target_layout_refusal(cfg: Any, draft_hf_config: Any) -> Optional[str]:
+    """Refuse targets that do not capture on every stage, and PP layouts the ownership rule
+    cannot serve (computed from sglang's own partition, as every stage will compute it)."""
+    from sglang.srt.distributed.utils import get_pp_indices
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+    from sglang.srt.utils.hf_transformers.common import get_hf_text_config
+
+    target_hf_config = _hf_config(cfg, cfg.model_path, cfg.revision)
+    architectures = list(getattr(target_hf_config, "architectures", None) or [])
+    if not set(architectures) & set(SUPPORTED_TARGETS):
+        return (
+            f"DFLASH with --pp-size {int(cfg.pp_size)} supports the targets "
+            f"{list(SUPPORTED_TARGETS)}, whose models capture the draft's context features on "
+            f"every PP stage; {cfg.model_path} is {architectures}, which captures them on the "
+            "last stage only. Serve it with --pp-size 1."
+        )
+    text_config = get_hf_text_config(target_hf_config)
+    num_layers = int(text_config.num_hidden_layers) * int(getattr(text_config, "num_loops", 1))
+    draft_config = parse_dflash_draft_config(draft_hf_config=draft_hf_config)
+    target_layer_ids = draft_config.resolve_target_layer_ids(
+        target_num_layers=num_layers, draft_num_layers=draft_config.require_num_layers()
+    )
+    pp_size = int(cfg.pp_size)
+    try:
+        stage_layers = [get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size)]
+        compute_feature_ownership(stage_layers, target_layer_ids, num_layers)
+    except ValueError as e:  # OwnershipError, or a malformed SGLANG_PP_LAYER_PARTITION
+        return f"DFLASH with --pp-size {pp_size}: {e}"
+    return None
 
 
 @contextmanager
@@ -155,7 +200,11 @@ def handle_dflash_around(original, server_args, *args, **kwargs):
         raise ValueError(refusal)
     with _pp_size_reads_one(server_args):
         result = original(server_args, *args, **kwargs)
-    refusal = draft_projection_refusal(cfg)
+    draft_path = cfg.speculative_draft_model_path
+    draft_hf_config = _hf_config(cfg, draft_path, cfg.speculative_draft_model_revision)
+    refusal = draft_projection_refusal(draft_hf_config, draft_path) or target_layout_refusal(
+        cfg, draft_hf_config
+    )
     if refusal:
         raise ValueError(refusal)
     logger.info(

@@ -1,0 +1,214 @@
+"""``PPDFlashWorkerV2``: DFlash on one PP stage of a PD prefill server (a subclass of 0.5.23's
+``DFlashWorkerV2``; selected by the ``create_worker`` hook in ``worker_selection``).
+
+Why a subclass and not the stock worker: stock ``DFlashWorkerV2`` builds the full draft, its runner
+and its KV pool on every stage, and on a non-last stage dereferences ``logits_output`` and
+``next_token_ids``, which are None there. Ours:
+
+* non-last stages hold no draft model, runner or KV pool (so they expose no draft pool to the PD
+  layer and never send draft KV), only the ``[H, H]`` ``fc`` blocks of the features they capture,
+  read from the draft checkpoint; they run the target with full capture and replace the raw capture
+  in the outbound proxy with the running partial (``pp_stage_carry``);
+* the last stage is the stock worker with the inbound partial stashed on the draft model around the
+  stock forward (the ``models/dflash.py`` hook finishes it), minus the two target-embedding steps
+  that cannot run where the embedding is not local, and minus the verify-sampling rehearsal (a
+  prefill server never verifies); it builds its draft with the stage-local load group.
+
+Importing this module imports sglang's scheduler stack; the hooks import it only when a DFLASH PP
+prefill worker is actually created.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+from sglang.srt.distributed.utils import get_pp_indices
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+from sglang.srt.model_loader.weight_utils import get_pp_stage_load_group
+from sglang.srt.runtime_context import get_parallel, get_spec
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+from sglang.srt.speculative.draft_parallel import (
+    model_draft_parallel_spec,
+    resolve_draft_parallel_layout,
+)
+
+from sglang_dflash_pp.hooks import require_hooks_applied
+from sglang_dflash_pp.srt.arg_groups.dflash_pp_gate import CONFIGURATION
+from sglang_dflash_pp.srt.models.capture_ownership import (
+    FeatureOwnership,
+    compute_feature_ownership,
+)
+from sglang_dflash_pp.srt.models.context_partial import carry_dtype_from_env, fc_column_block
+from sglang_dflash_pp.srt.models.dflash import LastStageContext, stashed_context
+from sglang_dflash_pp.srt.models.dflash_fc_columns import load_fc_column_blocks
+from sglang_dflash_pp.srt.speculative.pp_stage_carry import (
+    StageCarry,
+    inbound_partial,
+    replace_capture_with_partial,
+)
+from sglang_dflash_pp.srt.speculative.worker_selection import stage_load_group
+
+logger = logging.getLogger(__name__)
+
+
+def stage_ownership(target_worker) -> FeatureOwnership:
+    """Ownership from what this process's target really captures and sglang's own partition."""
+    runner = target_worker.model_runner
+    text_config = runner.model_config.hf_text_config
+    num_layers = int(text_config.num_hidden_layers) * int(getattr(text_config, "num_loops", 1))
+    pp_size, pp_rank = get_parallel().pp_size, get_parallel().pp_rank
+    stage_layers = [get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size)]
+    model = runner.model
+    actual = (getattr(model, "start_layer", None), getattr(model, "end_layer", None))
+    if None not in actual and tuple(actual) != tuple(stage_layers[pp_rank]):
+        raise RuntimeError(
+            f"PP stage {pp_rank} holds target layers [{actual[0]}, {actual[1]}) but the "
+            f"partition says {stage_layers[pp_rank]}; cannot assign DFlash features."
+        )
+    ids = runner.spec_aux_config.dflash_target_layer_ids
+    return compute_feature_ownership(stage_layers, ids, num_layers)
+
+
+def _local_draft_dir(path: str, revision: Optional[str]) -> str:
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(path, revision=revision, allow_patterns=["*.json", "*.safetensors"])
+
+
+class PPDFlashWorkerV2(DFlashWorkerV2):
+    """DFLASH worker of one PP stage of a PD prefill server; see the module docstring."""
+
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+        require_hooks_applied(CONFIGURATION)
+        ownership = stage_ownership(target_worker)
+        draft_model_config = target_worker.model_runner.spec_aux_config.draft_model_config
+        hidden = int(draft_model_config.hf_config.hidden_size)
+        self._carry = StageCarry.of(ownership, get_parallel().pp_rank, hidden)
+        self._carry_dtype = carry_dtype_from_env()
+        self._hosts_draft = self._carry.is_last
+        if self._hosts_draft:
+            with stage_load_group(get_pp_stage_load_group()):
+                super().__init__(server_args, gpu_id, nccl_port, target_worker)
+            self._w_stage = fc_column_block(
+                self.draft_model.fc.weight, self._carry.features, hidden
+            )
+        else:
+            BaseSpecWorker.__init__(self)
+            self.server_args = server_args
+            self.gpu_id = gpu_id
+            self.nccl_port = nccl_port
+            self._target_worker = target_worker
+            self.model_runner = target_worker.model_runner
+            self.device = target_worker.device
+            self._draft_worker = None
+            # The same layout the stock worker resolves, so every stage sizes its target
+            # KV cells identically (they budget the draft share per token).
+            self.draft_parallel_layout = resolve_draft_parallel_layout(
+                model_draft_parallel_spec(
+                    draft_model_config,
+                    spec_algorithm=target_worker.model_runner.spec_algorithm,
+                ),
+                collapse_cp=True,
+            )
+            self._w_stage = self._load_stage_columns(ownership, hidden)
+        if get_parallel().tp_rank == 0:
+            logger.info(
+                "DFLASH PP stage %d/%d: features %s, %s carry %s, %s.",
+                self._carry.stage,
+                self._carry.pp_size,
+                list(self._carry.features),
+                "receives" if self._carry.receives else "no inbound",
+                str(self._carry_dtype).replace("torch.", "")
+                if self._carry.sends
+                else "(none sent)",
+                "hosts the draft" if self._hosts_draft else "no draft",
+            )
+
+    def _load_stage_columns(self, ownership, hidden) -> Optional[torch.Tensor]:
+        if not self._carry.features:
+            return None
+        spec = get_spec()
+        draft_dir = _local_draft_dir(
+            spec.speculative_draft_model_path, spec.speculative_draft_model_revision
+        )
+        dtype = self.model_runner.model_config.dtype
+        block = load_fc_column_blocks(
+            draft_dir, self._carry.features, hidden, ownership.num_features, dtype=dtype
+        )
+        return block.to(self.device)
+
+    # -- what a non-last stage does not have ---------------------------------------------
+
+    def weight_update_runners(self):
+        return super().weight_update_runners() if self._hosts_draft else []
+
+    @property
+    def spec_v2_attn_backends(self) -> tuple:
+        if self._hosts_draft:
+            return super().spec_v2_attn_backends
+        return BaseSpecWorker.spec_v2_attn_backends.fget(self)
+
+    def alloc_memory_pool(self, *args, **kwargs):
+        if self._hosts_draft:
+            return super().alloc_memory_pool(*args, **kwargs)
+        return BaseSpecWorker.alloc_memory_pool(self, *args, **kwargs)
+
+    def init_attention_backends(self):
+        if self._hosts_draft:
+            super().init_attention_backends()
+
+    def init_cuda_graphs(self):
+        if self._hosts_draft:
+            super().init_cuda_graphs()
+
+    def prewarm_sampling(self):
+        # A prefill server samples one token per request and never verifies.
+        return self.model_runner.prewarm_sampling()
+
+    # -- last stage: steps that need the target embedding, which is not local ------------
+
+    def _maybe_merge_trained_mask_embedding(self) -> None:
+        # The mask embedding only feeds draft blocks, which run on the decode server.
+        return None
+
+    def _cache_full_embed_weight(self) -> None:
+        return None
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward_batch_generation(
+        self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None
+    ):
+        inbound = None if pp_proxy_tensors is None else pp_proxy_tensors.tensors
+        if self._hosts_draft:
+            context = LastStageContext(self._w_stage, inbound_partial(self._carry, inbound))
+            with stashed_context(self.draft_model, context):
+                return super().forward_batch_generation(
+                    batch,
+                    on_publish=on_publish,
+                    grammar_barrier=grammar_barrier,
+                    pp_proxy_tensors=pp_proxy_tensors,
+                )
+        result = self.target_worker.forward_batch_generation(
+            batch,
+            pp_proxy_tensors=pp_proxy_tensors,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+        )
+        replace_capture_with_partial(
+            self._carry,
+            result.pp_hidden_states_proxy_tensors.tensors,
+            inbound,
+            self._w_stage,
+            self._carry_dtype,
+        )
+        result.new_seq_lens = batch.seq_lens
+        if on_publish is not None:
+            on_publish(result.new_seq_lens)
+        return result
+
