@@ -124,3 +124,108 @@ def kimi_k3_text_config(num_layers: int = 4) -> dict:
 
 def write_model_dir(path: str, config: dict) -> str:
     return _write_config(path, config)
+
+
+# --- Real CPU server helpers (cpu-harness.md item 5): weights, tokenizer, vllm stub. ---
+
+BYTE_TOKENIZER_SPECIALS = ("<s>", "</s>", "<unk>", "<pad>", "<|mask|>")  # ids 256..260
+BYTE_TOKENIZER_VOCAB = 512
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def write_byte_tokenizer(path: str) -> str:
+    """A byte-level BPE tokenizer with no merges: the 256 byte symbols, then the specials
+    (ids 256-260), padded with ``<extra_i>`` to 512 entries. Saved with ``save_pretrained``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for tok in BYTE_TOKENIZER_SPECIALS:
+        vocab[tok] = len(vocab)
+    while len(vocab) < BYTE_TOKENIZER_VOCAB:
+        vocab[f"<extra_{len(vocab)}>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    os.makedirs(path, exist_ok=True)
+    fast.save_pretrained(path)
+    return path
+
+
+def write_tiny_llama_with_weights(path: str, seed: int = 0) -> str:
+    """A random ``LlamaForCausalLM`` (vocab 512, hidden 64, 2 layers, 4 heads / 2 KV heads,
+    head_dim 16) saved in bf16 with ``save_pretrained``, plus the byte-level tokenizer.
+    Seeded, so its greedy outputs are the same on every run."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=BYTE_TOKENIZER_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=259,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    write_byte_tokenizer(path)
+    return path
+
+
+def write_vllm_stub(root: str) -> str:
+    """A stub ``vllm`` package for ``PYTHONPATH`` (cpu-harness.md items 3 and 5): RoPE binds
+    ``vllm._custom_ops.rotary_embedding`` at construction but never calls it on CPU."""
+    pkg = os.path.join(root, "vllm")
+    os.makedirs(pkg, exist_ok=True)
+    with open(os.path.join(pkg, "__init__.py"), "w") as f:
+        f.write('"""Test stub: lets sglang construct RoPE on a CPU-only box."""\n')
+    with open(os.path.join(pkg, "_custom_ops.py"), "w") as f:
+        f.write(
+            "def rotary_embedding(*args, **kwargs):\n"
+            "    raise RuntimeError('vllm stub: rotary_embedding is never called on CPU')\n"
+        )
+    return root
+
+
+def kimi_k3_dflash_draft_config(
+    target_layer_ids: Sequence[int] = (2, 5, 8, 11, 13, 15),
+    *,
+    num_target_layers: int = 16,
+    block_size: int = 16,
+) -> dict:
+    """A tiny stand-in for the Kimi-K3 DFlash draft: 6 layers, 8 KV heads, block size 16,
+    sliding window 4096, six capture layers spread like the real [19, 37, 54, 66, 78, 90]
+    over a ``num_target_layers``-layer target (hidden 128, as ``kimi_k3_text_config``)."""
+    config = dflash_draft_config(
+        target_layer_ids,
+        hidden=128,
+        num_layers=6,
+        num_kv_heads=8,
+        head_dim=16,
+        num_target_layers=num_target_layers,
+        num_attention_heads=8,
+        sliding_window=4096,
+    )
+    config["block_size"] = block_size
+    config["dflash_config"]["block_size"] = block_size
+    return config
