@@ -25,6 +25,8 @@ HOOK_MODULES = (
     "sglang_dflash_pp.srt.models.dflash",
     "sglang_dflash_pp.srt.speculative.worker_selection",
     "sglang_dflash_pp.srt.managers.scheduler_pp_relay",
+    "sglang_dflash_pp.srt.disaggregation.prefill_draft_kv",
+    "sglang_dflash_pp.srt.disaggregation.mooncake_draft_kv",
 )
 
 

@@ -198,3 +198,17 @@ def cpu_server(cpu_server_factory):
     """The session's CPU server, restarted first if an earlier test killed it on purpose."""
     return cpu_server_factory.ensure_running()
 
+
+@pytest.fixture(scope="module")
+def dflash_runtime_config(sglang_with_plugin):
+    """A published runtime config (DFLASH; everything else default, e.g. no unified memory), as a
+    server process has one, for driving disaggregation code outside a server; restored to
+    whatever was published before when the module ends."""
+    from sglang.srt.runtime_context import get_context
+
+    override = get_context().override_server_args(speculative_algorithm="DFLASH")
+    override.install()
+    try:
+        yield
+    finally:
+        override.restore()
