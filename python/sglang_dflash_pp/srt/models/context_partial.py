@@ -15,6 +15,7 @@ Pure: torch only, so the same code runs in the GPU benchmarks where sglang is no
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable, Optional, Sequence
 
@@ -52,14 +53,35 @@ def fc_column_block(fc_weight: torch.Tensor, features: Sequence[int], hidden: in
     return fc_weight[:, feature_columns(features, hidden)]
 
 
-def project_fp32(local: torch.Tensor, w_block: torch.Tensor) -> torch.Tensor:
-    """``local @ w_block^T`` accumulated and returned in fp32, without rounding to the model dtype.
+def project_fp32(
+    local: torch.Tensor, w_block: torch.Tensor, add_to: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``add_to + local @ w_block^T`` accumulated and returned in fp32, never rounded to the model
+    dtype.
 
-    On CUDA the half-precision GEMM writes fp32 directly (``out_dtype``), at half-precision GEMM
-    speed; elsewhere the operands are upcast."""
-    if local.is_cuda and local.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(local, w_block.t(), out_dtype=torch.float32)
-    return F.linear(local.float(), w_block.float())
+    On CUDA the half-precision GEMM writes fp32 directly (``out_dtype``) and adds ``add_to`` in its
+    epilogue, so a stage costs one GEMM at half-precision speed and no extra pass over the carry;
+    elsewhere the operands are upcast."""
+    if local.is_cuda and local.dtype in (torch.bfloat16, torch.float16) and _gemm_writes_fp32():
+        if add_to is None:
+            return torch.mm(local, w_block.t(), out_dtype=torch.float32)
+        return torch.addmm(add_to.float(), local, w_block.t(), out_dtype=torch.float32)
+    total = F.linear(local.float(), w_block.float())
+    return total if add_to is None else total + add_to.float()
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_writes_fp32() -> bool:
+    """Whether this torch build has half-precision GEMMs with an fp32 output (CUDA only)."""
+    a = torch.ones(2, 2, device="cuda", dtype=torch.bfloat16)
+    c = torch.zeros(2, 2, device="cuda", dtype=torch.float32)
+    try:
+        return (
+            torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+            and torch.addmm(c, a, a, out_dtype=torch.float32).dtype == torch.float32
+        )
+    except (TypeError, RuntimeError):
+        return False
 
 
 def accumulate_partial(
@@ -73,10 +95,7 @@ def accumulate_partial(
         if partial_in is None:
             return None
         return partial_in.to(carry_dtype)
-    total = project_fp32(local, w_block)
-    if partial_in is not None:
-        total = total + partial_in.float()
-    return total.to(carry_dtype)
+    return project_fp32(local, w_block, add_to=partial_in).to(carry_dtype)
 
 
 def finish_context(
@@ -91,12 +110,11 @@ def finish_context(
     ``partial_in`` may carry more rows than ``local`` (the stock writer trims trailing padding
     rows before projecting); the same leading rows are used."""
     n = local.shape[0]
-    total = project_fp32(local, w_block)
     if partial_in is not None:
-        if partial_in.shape[0] < n or partial_in.shape[1] != total.shape[1]:
+        if partial_in.shape[0] < n or partial_in.shape[1] != w_block.shape[0]:
             raise ValueError(
                 f"DFLASH PP context partial has shape {tuple(partial_in.shape)}, but the last "
-                f"stage projects {n} rows of width {total.shape[1]}."
+                f"stage projects {n} rows of width {w_block.shape[0]}."
             )
-        total = total + partial_in[:n].float()
-    return hidden_norm(total).to(out_dtype)
+        partial_in = partial_in[:n]
+    return hidden_norm(project_fp32(local, w_block, add_to=partial_in)).to(out_dtype)
