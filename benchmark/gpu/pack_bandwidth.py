@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from cuda_timing import median_ms
 
 from sglang_dflash_pp.srt.disaggregation import draft_kv_pack_triton as fused
 from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import (
@@ -28,19 +28,8 @@ ENTRIES, P_HEADS, HEAD_DIM, PAGE = 12, 2, 128, 64
 POOL_PAGES = 2048
 
 
-def bench(fn, iters=100, warmup=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def bench(fn):
+    return median_ms(fn, iters=100, warmup=20)
 
 
 def main():

@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 
 import torch
+from cuda_timing import median_ms
 import torch.nn.functional as F
 
 from sglang_dflash_pp.srt.models.context_partial import (
@@ -111,19 +111,8 @@ def errors(x, ref):
     }
 
 
-def bench(fn, iters=50, warmup=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def bench(fn):
+    return median_ms(fn, iters=50, warmup=10)
 
 
 def make_data(T, g, data, dev="cuda"):

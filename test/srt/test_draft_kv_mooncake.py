@@ -381,6 +381,22 @@ def test_equal_heads_send_exactly_what_stock_sends(pools, tp_p, rank_p, tp_d, ra
     assert len(m._transfer_data.blocks()) > 0
 
 
+def send_kvcache(m, reg, **kwargs) -> int:
+    """The real ``send_kvcache`` for one decode registration, as the transfer worker calls it."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    return MooncakeKVManager.send_kvcache(
+        m,
+        reg.mooncake_session_id,
+        np.asarray(SRC_PAGES, np.int32),
+        reg.dst_kv_ptrs,
+        np.asarray(DST_PAGES, np.int32),
+        None,
+        dst_layer_ids=reg.dst_kv_layer_ids,
+        **kwargs,
+    )
+
+
 def test_tp4_to_tp32_lands_on_the_decode_rank_own_head(pools):
     """The seed's regression through the real send_kvcache: page 2 -> 2032768, 16384 B per page."""
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
@@ -477,18 +493,7 @@ def test_pack_chunks_and_batches_and_concurrent_workers(pools, monkeypatch):
     with_pack_regions(m)
 
     def send(reg):
-        assert (
-            MooncakeKVManager.send_kvcache(
-                m,
-                reg.mooncake_session_id,
-                np.asarray(SRC_PAGES, np.int32),
-                reg.dst_kv_ptrs,
-                np.asarray(DST_PAGES, np.int32),
-                None,
-                dst_layer_ids=reg.dst_kv_layer_ids,
-            )
-            == 0
-        )
+        assert send_kvcache(m, reg) == 0
 
     threads = [
         threading.Thread(target=lambda rs=regs[i::4]: [send(r) for r in rs]) for i in range(4)
@@ -555,19 +560,7 @@ def test_hisparse_draft_goes_to_device_pages(pools):
     assert m._publish_peer_registration("d:hs", reg) is None
     with_pack_regions(m)
     device = [10, 11, 12, 1, 0]
-    assert (
-        MooncakeKVManager.send_kvcache(
-            m,
-            "d:hs",
-            np.asarray(SRC_PAGES, np.int32),
-            reg.dst_kv_ptrs,
-            np.asarray(DST_PAGES, np.int32),
-            None,
-            dst_layer_ids=reg.dst_kv_layer_ids,
-            dst_device_kv_indices=np.asarray(device, np.int32),
-        )
-        == 0
-    )
+    assert send_kvcache(m, reg, dst_device_kv_indices=np.asarray(device, np.int32)) == 0
     images = decode_images_from(m._transfer_data.writes(), reg, 32)
     assert_decode_holds_its_heads(images, 32, 13, SRC_PAGES, device)
     target_dst_pages = {
@@ -587,18 +580,7 @@ def test_non_last_pp_stage_sends_no_draft(pools):
     reg = decode_registration("d:pp", tp_size=4, tp_rank=2)
     assert m._publish_peer_registration("d:pp", reg) is None
     assert plan_of(reg).action is PeerAction.TARGET_ONLY
-    assert (
-        MooncakeKVManager.send_kvcache(
-            m,
-            "d:pp",
-            np.asarray(SRC_PAGES, np.int32),
-            reg.dst_kv_ptrs,
-            np.asarray(DST_PAGES, np.int32),
-            None,
-            dst_layer_ids=reg.dst_kv_layer_ids,
-        )
-        == 0
-    )
+    assert send_kvcache(m, reg) == 0
     blocks = m._transfer_data.blocks()
     assert blocks and all(d >= TARGET_BASE for _, d, _ in blocks)
 
@@ -713,18 +695,7 @@ def test_verdict_is_cached_and_replaced_on_reregistration(pools, monkeypatch):
 
     monkeypatch.setattr(mooncake_draft_kv, "peer_verdict", no_recheck)
     for _ in range(2):
-        assert (
-            MooncakeKVManager.send_kvcache(
-                m,
-                "d:re",
-                np.asarray(SRC_PAGES, np.int32),
-                good.dst_kv_ptrs,
-                np.asarray(DST_PAGES, np.int32),
-                None,
-                dst_layer_ids=good.dst_kv_layer_ids,
-            )
-            == 0
-        )
+        assert send_kvcache(m, good) == 0
 
 
 def test_unknown_draft_pool_serves_only_equal_tp(pools):

@@ -1,0 +1,22 @@
+"""Median wall time of a GPU callable, measured with CUDA events (shared by the GPU benchmarks)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def median_ms(fn, iters: int = 50, warmup: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
