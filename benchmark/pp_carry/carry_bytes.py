@@ -15,55 +15,16 @@ import os
 
 from sglang.srt.distributed.utils import get_pp_indices
 
-from sglang_dflash_pp.srt.models.capture_ownership import compute_feature_ownership
+from sglang_dflash_pp.tools import carry_table as carry_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def carry_table(num_layers, pp_size, target_layer_ids, hidden, model_dtype_bytes=2):
+    """The table for sglang's own partition; the rows come from the library module that
+    ``sglang-dflash-pp check`` uses too."""
     stages = [get_pp_indices(num_layers, r, pp_size) for r in range(pp_size)]
-    ownership = compute_feature_ownership(stages, target_layer_ids, num_layers)
-    rows, cumulative = [], 0
-    for s in ownership.stages:
-        cumulative += len(s.features)
-        is_hop = s.stage < pp_size - 1
-        sends = ownership.sends_partial(s.stage)
-        rows.append(
-            dict(
-                stage=s.stage,
-                layers=[s.start_layer, s.end_layer],
-                features=list(s.features),
-                captured_layers=list(s.layer_ids),
-                hop=f"{s.stage}->{s.stage + 1}" if is_hop else None,
-                partial_fp32_bytes_per_token=4 * hidden if sends else 0,
-                partial_bf16_bytes_per_token=2 * hidden if sends else 0,
-                concat_bytes_per_token=model_dtype_bytes * hidden * cumulative if is_hop else 0,
-            )
-        )
-    totals = {
-        key: sum(r[key] for r in rows)
-        for key in (
-            "partial_fp32_bytes_per_token",
-            "partial_bf16_bytes_per_token",
-            "concat_bytes_per_token",
-        )
-    }
-    worst = {key: max(r[key] for r in rows) for key in totals}
-    return dict(
-        num_layers=num_layers,
-        pp_size=pp_size,
-        target_layer_ids=list(target_layer_ids),
-        hidden=hidden,
-        stages=rows,
-        total_over_hops=totals,
-        worst_hop=worst,
-        concat_over_partial_fp32_total=totals["concat_bytes_per_token"]
-        / totals["partial_fp32_bytes_per_token"],
-        concat_over_partial_bf16_total=totals["concat_bytes_per_token"]
-        / totals["partial_bf16_bytes_per_token"],
-        concat_over_partial_fp32_worst_hop=worst["concat_bytes_per_token"]
-        / worst["partial_fp32_bytes_per_token"],
-    )
+    return carry_lib.carry_table(stages, target_layer_ids, num_layers, hidden, model_dtype_bytes)
 
 
 def markdown(table):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional, Tuple
 
 from sglang_dflash_pp.hooks import PluginHook, require_hooks_applied
 from sglang_dflash_pp.srt.models.capture_ownership import compute_feature_ownership
@@ -139,12 +139,25 @@ def draft_projection_refusal(draft_hf_config: Any, where: str) -> Optional[str]:
     return target_layer_ids_refusal(draft_config.target_layer_ids, where=where)
 
 
+def target_capture_layout(target_hf_config: Any, draft_hf_config: Any) -> Tuple[int, List[int]]:
+    """The target's layer count and the draft's resolved ``target_layer_ids``, as the gate and
+    ``sglang-dflash-pp check`` derive them from the two configs."""
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+    from sglang.srt.utils.hf_transformers.common import get_hf_text_config
+
+    text_config = get_hf_text_config(target_hf_config)
+    num_layers = int(text_config.num_hidden_layers) * int(getattr(text_config, "num_loops", 1))
+    draft_config = parse_dflash_draft_config(draft_hf_config=draft_hf_config)
+    target_layer_ids = draft_config.resolve_target_layer_ids(
+        target_num_layers=num_layers, draft_num_layers=draft_config.require_num_layers()
+    )
+    return num_layers, list(target_layer_ids)
+
+
 def target_layout_refusal(cfg: Any, draft_hf_config: Any) -> Optional[str]:
     """Refuse targets that do not capture on every stage, and PP layouts the ownership rule
     cannot serve (computed from sglang's own partition, as every stage will compute it)."""
     from sglang.srt.distributed.utils import get_pp_indices
-    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
-    from sglang.srt.utils.hf_transformers.common import get_hf_text_config
 
     target_hf_config = _hf_config(cfg, cfg.model_path, cfg.revision)
     architectures = list(getattr(target_hf_config, "architectures", None) or [])
@@ -155,12 +168,7 @@ def target_layout_refusal(cfg: Any, draft_hf_config: Any) -> Optional[str]:
             f"every PP stage; {cfg.model_path} is {architectures}, which captures them on the "
             "last stage only. Serve it with --pp-size 1."
         )
-    text_config = get_hf_text_config(target_hf_config)
-    num_layers = int(text_config.num_hidden_layers) * int(getattr(text_config, "num_loops", 1))
-    draft_config = parse_dflash_draft_config(draft_hf_config=draft_hf_config)
-    target_layer_ids = draft_config.resolve_target_layer_ids(
-        target_num_layers=num_layers, draft_num_layers=draft_config.require_num_layers()
-    )
+    num_layers, target_layer_ids = target_capture_layout(target_hf_config, draft_hf_config)
     pp_size = int(cfg.pp_size)
     try:
         stage_layers = [get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size)]

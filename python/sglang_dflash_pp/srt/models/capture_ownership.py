@@ -17,7 +17,7 @@ Pure: no sglang import; the glue feeds it sglang's own partition (``get_pp_indic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from sglang_dflash_pp.srt.speculative.draft_config_checks import target_layer_ids_refusal
 
@@ -64,6 +64,21 @@ class FeatureOwnership:
 
     def receives_partial(self, stage: int) -> bool:
         return stage > 0 and self.sends_partial(stage - 1)
+
+    def stage_rows(self) -> List[dict]:
+        """One plain dict per stage, for reports (``sglang-dflash-pp check``, preflight)."""
+        return [
+            dict(
+                stage=s.stage,
+                layers=[s.start_layer, s.end_layer],
+                features=list(s.features),
+                captured_layers=list(s.layer_ids),
+                receives_partial=self.receives_partial(s.stage),
+                sends_partial=self.sends_partial(s.stage),
+                hosts_draft=s.stage == self.pp_size - 1,
+            )
+            for s in self.stages
+        ]
 
 
 def owning_layer(layer_id: int, num_layers: int) -> int:

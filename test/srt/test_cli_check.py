@@ -1,0 +1,260 @@
+"""``sglang-dflash-pp check``: the Kimi-K3 example's topology report, and refused configurations.
+
+The example is resolved by the installed console script in a subprocess (the entry point users
+run); the production numbers asserted here are the deployment's facts (P TP4 x PP8 -> D TP32,
+draft 8 KV heads x 128 bf16, page 64, a 4096-token prompt), while the tool derives them from our
+modules. Further cases run ``cli.main`` in this process, sharing one sglang import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "sglang-dflash-pp")
+EXIT_REFUSED = 3
+
+
+def _env():
+    env = dict(os.environ)
+    for name in (
+        "SGLANG_DFLASH_PP_CARRY_DTYPE",
+        "SGLANG_PP_LAYER_PARTITION",
+        "SGLANG_USE_CPU_ENGINE",
+    ):
+        env.pop(name, None)
+    return env
+
+
+def _run(argv, timeout=300):
+    return subprocess.run(
+        argv, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=REPO
+    )
+
+
+@pytest.fixture(scope="module")
+def example_report():
+    proc = _run([CONSOLE_SCRIPT, "check", "--example", "kimi-k3", "--json"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout)  # stdout holds the JSON only; logs go to stderr
+
+
+def _main_json(capsys, argv):
+    from sglang_dflash_pp.cli import main
+
+    code = main(argv)
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_example_resolves_and_is_accepted(example_report):
+    r = example_report
+    assert r["accepted"] is True and r["refusals"] == []
+    p = r["prefill"]["values"]
+    assert r["prefill"]["resolved"] and r["decode"]["resolved"]
+    assert (p["tp_size"], p["pp_size"], p["ep_size"]) == (4, 8, 4)
+    assert (p["page_size"], p["kv_cache_dtype"], p["disaggregation_mode"]) == (
+        64,
+        "bf16",
+        "prefill",
+    )
+    assert p["speculative_num_draft_tokens"] == 16  # from the draft's block_size
+    assert r["decode"]["values"]["tp_size"] == 32 and r["decode"]["values"]["pp_size"] == 1
+    assert r["target"]["num_layers"] == 93 and r["draft"]["target_layer_ids"] == [
+        19,
+        37,
+        54,
+        66,
+        78,
+        90,
+    ]
+
+
+def test_example_partition_and_feature_ownership(example_report):
+    r = example_report
+    assert r["partition"]["layers_per_stage"] == [11, 11, 11, 12, 12, 12, 12, 12]
+    owned = {
+        s["stage"]: (s["features"], s["captured_layers"]) for s in r["stages"] if s["features"]
+    }
+    captured = dict(zip([1, 3, 4, 5, 6, 7], [19, 37, 54, 66, 78, 90]))
+    assert owned == {stage: ([j], [layer]) for j, (stage, layer) in enumerate(captured.items())}
+    assert [s["hosts_draft"] for s in r["stages"]] == [False] * 7 + [True]
+    # Stage 0 owns nothing: it neither sends nor receives; every later hop carries the partial.
+    assert [s["sends_partial"] for s in r["stages"]] == [False] + [True] * 6 + [False]
+    assert [s["receives_partial"] for s in r["stages"]] == [False, False] + [True] * 6
+
+
+def test_example_carry_bytes(example_report):
+    c = example_report["carry"]
+    assert c["dtype"] == "float32" and c["hidden"] == 7168
+    assert [h["partial_bytes_per_token"] for h in c["hops"]] == [0] + [28_672] * 6
+    assert [h["concat_bytes_per_token"] for h in c["hops"]] == [
+        0,
+        14_336,
+        14_336,
+        28_672,
+        43_008,
+        57_344,
+        71_680,
+    ]
+    assert (
+        c["partial_bytes_per_token_per_hop"] == 28_672 and c["concat_bytes_per_token_max"] == 71_680
+    )
+
+
+def test_example_draft_kv_geometry_and_writer_map(example_report):
+    k = example_report["draft_kv"]
+    assert (k["page_size"], k["entries"], k["dtype"]) == (64, 12, "bfloat16")
+    assert k["shape"] == dict(total_heads=8, k_head_dim=128, v_head_dim=128, dtype_bytes=2)
+    P, D = k["prefill"], k["decode"]
+    assert (P["tp_size"], P["heads_per_rank"], P["replication"]) == (4, 2, 1)
+    assert P["ranks"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert (P["k_item_len"], P["v_item_len"]) == (32_768, 32_768)
+    assert (D["tp_size"], D["heads_per_rank"], D["replication"]) == (32, 1, 4)
+    assert D["ranks"] == [[r // 4] for r in range(32)]
+    assert (D["k_item_len"], D["v_item_len"]) == (16_384, 16_384)
+    for p in k["prefill_ranks"]:
+        q = p["prefill_rank"]
+        assert [w["decode_rank"] for w in p["writes"]] == list(range(8 * q, 8 * q + 8))
+        assert [w["heads"] for w in p["writes"]] == [[2 * q]] * 4 + [[2 * q + 1]] * 4
+        assert {w["regime"] for w in p["writes"]} == {"pack on prefill, then page runs"}
+        assert p["silent"] == []
+
+
+def test_example_bytes_and_descriptors_per_request(example_report):
+    k = example_report["draft_kv"]
+    assert (k["prompt_tokens"], k["pages"]) == (4096, 64)
+    for d in k["decode_ranks"]:
+        assert d["writers"] == [d["decode_rank"] // 8]
+        assert d["descriptors"] == 12  # 12 entries x 1 page run, packed
+        assert d["bytes"] == d["physical_minimum_bytes"] == 12_582_912
+        assert d["per_token_descriptors"] == 49_152
+    assert {p["bytes"] for p in k["prefill_ranks"]} == {8 * 12_582_912}
+
+
+def test_example_text_report(example_report):
+    from sglang_dflash_pp.tools.check_text import render
+
+    text = render(example_report)
+    (hop,) = [line.split() for line in text.splitlines() if line.strip().startswith("6->7")]
+    assert hop == ["6->7", "28,672", "71,680"]
+    for fragment in (
+        "[11, 11, 11, 12, 12, 12, 12, 12]",
+        "P1 (heads 2-3) -> D8-11 head 2, D12-15 head 3  [pack on prefill, then page runs]",
+        "per D rank 12 descriptors, 12,582,912 bytes",
+        "Refusals: none.",
+    ):
+        assert fragment in text, fragment
+
+
+def test_refused_pp_on_a_decode_server_via_module(tmp_path):
+    """``python -m sglang_dflash_pp check -- <launch_server argv>``: the plugin's gate refuses
+    DFLASH with --pp-size > 1 on a PD decode server, and check says so with exit code 3."""
+    from sglang_dflash_pp.tools import examples
+
+    ex = examples.load("kimi-k3")
+    launch = [
+        "python", "-m", "sglang.launch_server",
+        "--model-path", ex.target_dir, "--speculative-draft-model-path", ex.draft_dir,
+        "--speculative-algorithm", "DFLASH", "--tp-size", "4", "--pp-size", "2",
+        "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake",
+    ]  # fmt: skip
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "sglang_dflash_pp",
+            "check",
+            "--decode-tp-size",
+            "32",
+            "--json",
+            "--",
+            *launch,
+        ]
+    )
+    assert proc.returncode == EXIT_REFUSED, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["accepted"] is False and r["prefill"]["resolved"] is False
+    (refusal,) = r["refusals"]
+    assert refusal["source"].startswith("prefill startup")
+    assert "DFLASH with --pp-size 2 is not supported on a PD decode server" in refusal["message"]
+    assert "--pp-size 1" in refusal["message"]
+
+
+def test_refused_decode_tp_that_cannot_shard_the_draft_heads(capsys):
+    code, r = _main_json(
+        capsys, ["check", "--example", "kimi-k3", "--decode-tp-size", "3", "--json"]
+    )
+    assert code == EXIT_REFUSED and r["accepted"] is False
+    messages = [x["message"] for x in r["refusals"] if x["source"].startswith("draft KV transfer")]
+    assert len(messages) == 1
+    assert (
+        "decode attention TP 3 and the draft's 8 KV heads: neither divides the other" in messages[0]
+    )
+    assert "draft_kv" not in r  # no plan is reported for a refused layout
+
+
+def test_refused_partition_where_the_last_stage_owns_no_feature(capsys, monkeypatch):
+    # The last stage holds only layer 92; layer 90's output is captured where layer 91 runs.
+    monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", "12,12,12,12,12,12,20,1")
+    code, r = _main_json(capsys, ["check", "--example", "kimi-k3", "--json"])
+    assert code == EXIT_REFUSED
+    hits = [
+        x for x in r["refusals"] if "captures none of the draft's target_layer_ids" in x["message"]
+    ]
+    assert len(hits) == 1, r["refusals"]  # the gate's refusal and ours: reported once
+    assert "SGLANG_PP_LAYER_PARTITION" in hits[0]["message"]
+
+
+def test_bare_config_files_with_shortcuts(capsys):
+    """Config files instead of checkpoint directories; the shortcut flags build the P argv."""
+    from sglang_dflash_pp.tools import examples
+
+    ex = examples.load("kimi-k3")
+    code, r = _main_json(capsys, [
+        "check", "--model-path", os.path.join(ex.target_dir, "config.json"),
+        "--draft-model-path", os.path.join(ex.draft_dir, "config.json"),
+        "--tp-size", "4", "--pp-size", "8", "--decode-tp-size", "32", "--page-size", "64",
+        "--prompt-tokens", "1000", "--json",
+    ])  # fmt: skip
+    assert code == 0 and r["accepted"], r["refusals"]
+    assert r["partition"]["layers_per_stage"] == [11, 11, 11, 12, 12, 12, 12, 12]
+    k = r["draft_kv"]
+    assert k["pages"] == 16  # ceil(1000 / 64): whole pages move
+    assert {d["bytes"] for d in k["decode_ranks"]} == {12 * 16 * 64 * 128 * 2}
+    assert {d["descriptors"] for d in k["decode_ranks"]} == {12}
+
+
+def test_carry_dtype_follows_the_servers_environment(capsys, monkeypatch):
+    monkeypatch.setenv("SGLANG_DFLASH_PP_CARRY_DTYPE", "bfloat16")
+    code, r = _main_json(capsys, ["check", "--example", "kimi-k3", "--json"])
+    assert code == 0
+    assert r["carry"]["dtype"] == "bfloat16"
+    assert r["carry"]["partial_bytes_per_token_per_hop"] == 14_336
+
+
+def test_example_prefill_arguments_are_the_recipes():
+    """topology.json's prefill arguments are the ones examples/kimi_k3/prefill.sh passes."""
+    from sglang_dflash_pp.tools import examples
+
+    ex = examples.load("kimi-k3")
+    env = {"PATH": os.environ["PATH"], "RECIPE_PRINT_ARGS": "1", "KIMI_K3_PATH": "/m",
+           "KIMI_K3_DFLASH_PATH": "/d", "NODE_RANK": "0", "P_HEAD": "10.0.0.1"}  # fmt: skip
+    out = subprocess.run(["bash", os.path.join(REPO, "examples", "kimi_k3", "prefill.sh")],
+                         env=env, capture_output=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    recipe = out.stdout.decode().rstrip("\0").split("\0")
+    args = ex.prefill_args
+    i = 0
+    while i < len(args):
+        flag = args[i]
+        assert flag in recipe, flag
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            assert recipe[recipe.index(flag) + 1] == args[i + 1], flag
+            i += 1
+        i += 1
+    assert ex.decode_tp_size == 32
