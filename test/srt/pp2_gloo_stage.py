@@ -11,7 +11,6 @@ forward path into a CPU ``MHATokenToKVPool`` and compares it with the PP1 path.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 

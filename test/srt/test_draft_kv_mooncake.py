@@ -476,7 +476,6 @@ def test_head_aware_send_keeps_the_bounded_index_batches(pools):
 
 def test_pack_chunks_and_batches_and_concurrent_workers(pools, monkeypatch):
     """A 1 MB pack buffer in 2 slots (5 pages need 3 chunks), 5-descriptor batches, 4 threads at once."""
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
     monkeypatch.setenv("SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB", "1")
     monkeypatch.setenv("SGLANG_DFLASH_DRAFT_KV_MAX_BATCH_DESCRIPTORS", "5")
@@ -553,7 +552,6 @@ def test_replicated_prefill_rank_sends_nothing_twice(pools):
 
 
 def test_hisparse_draft_goes_to_device_pages(pools):
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
     m, _ = setup_prefill(pools, 4, 1)
     reg = decode_registration("d:hs", tp_size=32, tp_rank=13)
@@ -573,7 +571,6 @@ def test_hisparse_draft_goes_to_device_pages(pools):
 
 def test_non_last_pp_stage_sends_no_draft(pools):
     """Defence in depth: a non-last stage that registered draft entries anyway sends the target only."""
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
     from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import PeerAction
 
     m, _ = setup_prefill(pools, 4, 2, pp_size=8, pp_rank=3)
@@ -679,7 +676,6 @@ def test_pp_prefill_refuses_a_decode_without_layer_ids(pools):
 
 
 def test_verdict_is_cached_and_replaced_on_reregistration(pools, monkeypatch):
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
     from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
 
     m, _ = setup_prefill(pools, 4, 1)

@@ -38,15 +38,12 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import (
 from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
     Descriptors,
     DraftKVPairPlan,
-    Regime,
-    packed_descriptors,
+    entry_descriptors,
+    pages_per_send,
     per_token_descriptors,
     plan_pair,
     prefill_ranks_for,
-    whole_page_descriptors,
 )
-
-SENDS_DRAFT = (PeerAction.HEAD_AWARE, PeerAction.DRAFT_ONLY)
 
 
 @dataclass(frozen=True)
@@ -122,7 +119,7 @@ def writes_draft(
 ) -> Optional[DraftKVPairPlan]:
     """The pair plan when this prefill rank writes draft bytes to this decode rank, else None.
     A stock verdict with equal heads per rank is sglang's own whole-page copy, which is exact."""
-    if plan.action in SENDS_DRAFT:
+    if plan.action.sends_draft:
         return plan.pair
     if plan.action is PeerAction.STOCK:
         pair = plan.pair or plan_pair(topo.geometry("prefill", p), topo.geometry("decode", r))
@@ -150,21 +147,17 @@ def request_descriptors(
     dst = (
         np.arange(n_pages, dtype=np.int64) if dst_pages is None else np.asarray(dst_pages, np.int64)
     )
-    step = n_pages
-    if max_batch_pages > 0:
-        step = min(step, max_batch_pages)
-    if pair.regime is Regime.PACK_SOURCE and pack_slot_bytes:
-        step = min(step, max(1, pack_slot_bytes // sum(pair.bytes_per_page(c) for c in components)))
+    step = pages_per_send(
+        pair,
+        components,
+        n_pages,
+        max_batch_pages=max_batch_pages,
+        pack_slot_bytes=pack_slot_bytes,
+    )
     parts = []
-    for start in range(0, n_pages, max(step, 1)):
+    for start in range(0, n_pages, step):
         s, d = src[start : start + step], dst[start : start + step]
-        for c in components:
-            if pair.regime is Regime.WHOLE_PAGES:
-                parts.append(whole_page_descriptors(pair, c, 0, 0, s, d))
-            elif pair.regime is Regime.PACK_SOURCE:
-                parts.append(packed_descriptors(pair, c, 0, 0, d))
-            else:
-                parts.append(per_token_descriptors(pair, c, 0, 0, s, d))
+        parts.extend(entry_descriptors(pair, c, 0, 0, s, d) for c in components)
     return Descriptors.concat(parts)
 
 

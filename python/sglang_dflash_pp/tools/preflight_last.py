@@ -329,7 +329,7 @@ def _send_all(spec: PreflightSpec, senders, sources, decode: dict) -> list:
         peer_verdict,
     )
     from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import Regime, prefill_ranks_for
-    from sglang_dflash_pp.tools.draft_kv_report import SENDS_DRAFT, DraftKVTopology, writes_draft
+    from sglang_dflash_pp.tools.draft_kv_report import DraftKVTopology, writes_draft
 
     session = decode["session"]
     topo = DraftKVTopology(
@@ -363,7 +363,7 @@ def _send_all(spec: PreflightSpec, senders, sources, decode: dict) -> list:
             pairs.append(row)
             if pair is None:
                 continue  # a replica that lost the election: no draft bytes
-            if plan.action not in SENDS_DRAFT:
+            if not plan.action.sends_draft:
                 # A stock verdict (equal heads per rank): sglang's own whole-page copy, whose
                 # descriptors the same send function builds for this regime.
                 plan = DraftKVPeerPlan(plan.action, pair, entries)

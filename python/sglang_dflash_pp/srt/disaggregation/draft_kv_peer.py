@@ -41,6 +41,10 @@ class PeerAction(enum.Enum):
     HEAD_AWARE = "head aware"  # target entries the stock way, draft entries by the pair plan
     DRAFT_ONLY = "draft only"  # sglang skips this rank's (replicated) KV; send the draft heads
 
+    @property
+    def sends_draft(self) -> bool:
+        return self in (PeerAction.HEAD_AWARE, PeerAction.DRAFT_ONLY)
+
 
 @dataclass(frozen=True)
 class DraftEntryPair:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
-from typing import Iterator, NamedTuple, Sequence, Tuple
+from typing import Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -272,3 +272,33 @@ def per_token_descriptors(
     src = (src + plan.src_offset(c)).reshape(-1)
     dst = (dst + plan.dst_offset(c)).reshape(-1)
     return Descriptors(src, dst, np.full(src.size, plan.width(c), dtype=np.int64))
+
+
+def pages_per_send(
+    plan: DraftKVPairPlan,
+    components: Sequence[KVComponent],
+    num_pages: int,
+    *,
+    max_batch_pages: int = 0,
+    pack_slot_bytes: Optional[int] = None,
+) -> int:
+    """Pages one send covers: all of them, bounded by sglang's ``max_transfer_batch_indices``
+    and, when packing, by what one pack slot holds for every entry."""
+    step = num_pages
+    if max_batch_pages > 0:
+        step = min(step, max_batch_pages)
+    if plan.regime is Regime.PACK_SOURCE and pack_slot_bytes:
+        step = min(step, pack_slot_bytes // sum(plan.bytes_per_page(c) for c in components))
+    return max(step, 1)
+
+
+def entry_descriptors(
+    plan: DraftKVPairPlan, c: KVComponent, src_base: int, dst_base: int, src_pages, dst_pages
+) -> Descriptors:
+    """One entry's descriptors in the pair's regime. For :attr:`Regime.PACK_SOURCE` ``src_base``
+    is the entry's packed slab, which holds ``src_pages`` in order."""
+    if plan.regime is Regime.WHOLE_PAGES:
+        return whole_page_descriptors(plan, c, src_base, dst_base, src_pages, dst_pages)
+    if plan.regime is Regime.PACK_SOURCE:
+        return packed_descriptors(plan, c, src_base, dst_base, dst_pages)
+    return per_token_descriptors(plan, c, src_base, dst_base, src_pages, dst_pages)

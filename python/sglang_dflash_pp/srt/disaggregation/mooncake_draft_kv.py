@@ -61,10 +61,9 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import (
 from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
     Descriptors,
     Regime,
+    entry_descriptors,
     pack_source_rows,
-    packed_descriptors,
-    per_token_descriptors,
-    whole_page_descriptors,
+    pages_per_send,
 )
 from sglang_dflash_pp.srt.disaggregation.prefill_draft_kv import draft_kv_source_for
 
@@ -75,7 +74,6 @@ MAX_BATCH_DESCRIPTORS_ENV = "SGLANG_DFLASH_DRAFT_KV_MAX_BATCH_DESCRIPTORS"
 _PLAN_ATTR = "dflash_draft_kv_plan"  # on the decode's KVArgsRegisterInfo
 _PACK_ATTR = "_dflash_draft_kv_pack_buffer"  # on the MooncakeKVManager
 _pack_lock = threading.Lock()
-_SENDS_DRAFT = (PeerAction.HEAD_AWARE, PeerAction.DRAFT_ONLY)
 
 
 def _env_int(name: str, default: int, minimum: int) -> int:
@@ -171,8 +169,8 @@ def draft_kv_verdict(self, registration) -> Optional[DraftKVPeerPlan]:
     # Through our own hook, which answers stock while no verdict is attached to this record.
     stock_skips_kv, _ = self._get_dsa_cache_transfer_skip_flags(registration)
     plan = peer_verdict(prefill, decode, pairs, stock_skips_kv=stock_skips_kv)
-    if plan.action in _SENDS_DRAFT and plan.pair.regime is Regime.PACK_SOURCE:
-        need = _pack_bytes_per_page(plan)
+    if plan.action.sends_draft and plan.pair.regime is Regime.PACK_SOURCE:
+        need = sum(plan.pair.bytes_per_page(e.component) for e in plan.entries)
         buffer = _pack_buffer(self, source)
         if buffer.slot_bytes < need:
             raise DraftKVLayoutError(
@@ -180,10 +178,6 @@ def draft_kv_verdict(self, registration) -> Optional[DraftKVPeerPlan]:
                 f"decode's draft heads ({need} B); raise {PACK_BUFFER_MB_ENV}."
             )
     return plan
-
-
-def _pack_bytes_per_page(plan: DraftKVPeerPlan) -> int:
-    return sum(plan.pair.bytes_per_page(e.component) for e in plan.entries)
 
 
 def _pack_buffer(self, source):
@@ -359,26 +353,22 @@ def _send_draft_entries(self, plan, session, src_pages, dst_pages, dst_kv_ptrs) 
         )
         return -1
     pair = plan.pair
-    step = src_pages.size
-    if self.max_transfer_batch_indices > 0:
-        step = min(step, self.max_transfer_batch_indices)
-    buffer = None
-    if pair.regime is Regime.PACK_SOURCE:
-        buffer = getattr(self, _PACK_ATTR)
-        step = min(step, buffer.slot_bytes // _pack_bytes_per_page(plan))
-    for start in range(0, src_pages.size, max(step, 1)):
+    buffer = getattr(self, _PACK_ATTR) if pair.regime is Regime.PACK_SOURCE else None
+    step = pages_per_send(
+        pair,
+        [e.component for e in plan.entries],
+        src_pages.size,
+        max_batch_pages=self.max_transfer_batch_indices,
+        pack_slot_bytes=None if buffer is None else buffer.slot_bytes,
+    )
+    for start in range(0, src_pages.size, step):
         s, d = src_pages[start : start + step], dst_pages[start : start + step]
         if buffer is not None:
             ret = _send_packed(self, plan, buffer, session, s, d, dst_kv_ptrs)
         else:
-            describe = (
-                whole_page_descriptors
-                if pair.regime is Regime.WHOLE_PAGES
-                else per_token_descriptors
-            )
             descriptors = Descriptors.concat(
                 [
-                    describe(
+                    entry_descriptors(
                         pair,
                         e.component,
                         self.kv_args.kv_data_ptrs[e.src_index],
@@ -418,8 +408,8 @@ def _send_packed(self, plan, buffer, session, src_pages, dst_pages, dst_kv_ptrs)
             )
         descriptors = Descriptors.concat(
             [
-                packed_descriptors(
-                    pair, e.component, slot.ptr + at, dst_kv_ptrs[e.dst_index], dst_pages
+                entry_descriptors(
+                    pair, e.component, slot.ptr + at, dst_kv_ptrs[e.dst_index], src_pages, dst_pages
                 )
                 for e, at in zip(plan.entries, slabs)
             ]
