@@ -23,8 +23,10 @@ logger = logging.getLogger(__name__)
 HOOK_MODULES = (
     "sglang_dflash_pp.srt.arg_groups.dflash_pp_gate",
     "sglang_dflash_pp.srt.models.dflash",
+    "sglang_dflash_pp.srt.models.pp_capture",
     "sglang_dflash_pp.srt.speculative.worker_selection",
     "sglang_dflash_pp.srt.managers.scheduler_pp_relay",
+    "sglang_dflash_pp.srt.disaggregation.mha_layer_ids",
     "sglang_dflash_pp.srt.disaggregation.prefill_draft_kv",
     "sglang_dflash_pp.srt.disaggregation.mooncake_draft_kv",
 )

@@ -33,6 +33,15 @@ def model_dirs(tmp_path_factory):
         "target": tiny_models.write_model_dir(d("target"), tiny_models.llama_target_config()),
         "kimi_k3": tiny_models.write_model_dir(d("kimi_k3"), tiny_models.kimi_k3_text_config(8)),
         "draft": tiny_models.write_model_dir(d("draft"), tiny_models.dflash_draft_config()),
+        # Llama captures layer L at the input of layer L+1: 1, 3, 5 (not the final 7).
+        "draft_dense": tiny_models.write_model_dir(
+            d("draft_dense"), tiny_models.dflash_draft_config((1, 3, 5))
+        ),
+        "qwen2_target": tiny_models.write_model_dir(
+            d("qwen2_target"),
+            {**tiny_models.llama_target_config(), "architectures": ["Qwen2ForCausalLM"],
+             "model_type": "qwen2"},
+        ),
         "draft_k3": tiny_models.write_model_dir(d("draft_k3"), k3_draft((1, 3, 5, 7))),
         "draft_k3_early": tiny_models.write_model_dir(d("draft_k3_early"), k3_draft((0, 1, 2))),
         "draft_unsorted": tiny_models.write_model_dir(

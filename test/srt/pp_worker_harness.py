@@ -234,7 +234,12 @@ def non_last_stage_worker(target: CapturingTarget, draft_dir: str, dtype=torch.b
 
     draft_model_config = ModelConfig(draft_dir, trust_remote_code=True, is_draft_model=True)
     target.model_runner = SimpleNamespace(
-        model_config=SimpleNamespace(hf_text_config=target_text_config(), dtype=dtype),
+        model_config=SimpleNamespace(
+            hf_text_config=target_text_config(),
+            # the stand-in captures like Kimi-K3 (capture_ownership.FINAL_LAYER_AT_NORM)
+            hf_config=SimpleNamespace(architectures=["KimiK3LinearForCausalLM"]),
+            dtype=dtype,
+        ),
         model=SimpleNamespace(),
         spec_aux_config=SimpleNamespace(
             dflash_target_layer_ids=list(TARGET_LAYER_IDS),

@@ -47,9 +47,9 @@ def _args(dirs, *, pp_size=2, mode="prefill", draft="draft_k3", target="kimi_k3"
     return kwargs
 
 
-def _dense_args(dirs, **kw):
-    """A dense Llama target with a DFlash draft: not our business unless pp_size > 1."""
-    kwargs = _args(dirs, target="target", draft="draft", **kw)
+def _dense_args(dirs, draft="draft", **kw):
+    """A dense Llama target with a DFlash draft."""
+    kwargs = _args(dirs, target="target", draft=draft, **kw)
     del kwargs["mamba_radix_cache_strategy"]
     return kwargs
 
@@ -117,8 +117,13 @@ def test_pp_size_mask_is_removed_after_resolution(sglang_with_plugin, model_dirs
         ),
         (dict(draft="draft_duplicated"), ["duplicates [3]", "target_layer_ids"]),
         (
+            dict(target="qwen2_target", draft="draft_dense"),
+            ["Qwen2ForCausalLM", "captures on the last PP stage only", "LlamaForCausalLM",
+             "Qwen3ForCausalLM", "--pp-size 1"],
+        ),
+        (
             dict(target="target", draft="draft"),
-            ["captures them on the last stage only", "LlamaForCausalLM", "--pp-size 1"],
+            ["final layer [7]", "never captures", "input of layer L+1"],
         ),
         (
             dict(draft="draft_k3_early"),
@@ -134,7 +139,8 @@ def test_pp_size_mask_is_removed_after_resolution(sglang_with_plugin, model_dirs
         "laguna-projection",
         "unsorted-ids",
         "duplicated-ids",
-        "dense-target",
+        "unhooked-target-class",
+        "dense-target-final-layer",
         "last-stage-owns-nothing",
     ],
 )
@@ -142,6 +148,16 @@ def test_refused_combinations(sglang_with_plugin, model_dirs, overrides, fragmen
     error = _error(resolve(_args(model_dirs, **overrides)))
     for fragment in fragments:
         assert fragment in error, error
+
+
+def test_dense_target_resolves_like_pp1(sglang_with_plugin, model_dirs):
+    """A Llama target (captured on every stage through models/pp_capture) is accepted, and
+    every DFLASH decision is the PP1 one."""
+    pp = resolve(_dense_args(model_dirs, pp_size=2, draft="draft_dense"))
+    pp1 = resolve(_dense_args(model_dirs, pp_size=1, draft="draft_dense"))
+    assert "resolved" in pp, pp
+    for field in DFLASH_FIELDS:
+        assert pp["resolved"][field] == pp1["resolved"][field], field
 
 
 def test_layer_partition_env_moves_ownership(sglang_with_plugin, model_dirs, monkeypatch):

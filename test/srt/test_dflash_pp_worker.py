@@ -278,27 +278,36 @@ def test_create_worker_picks_ours_only_for_dflash_pp_prefill(sglang_with_plugin,
     assert dspark.create_worker(args) is SpeculativeAlgorithm.create_worker.__wrapped__(dspark, args)
 
 
-def test_draft_load_group_is_injected_only_while_building_the_last_stage_draft(sglang_with_plugin):
+def test_draft_seed_and_load_group_are_injected_only_while_building_the_last_stage_draft(
+    sglang_with_plugin,
+):
     from sglang.srt.speculative import draft_worker_common
 
-    from sglang_dflash_pp.srt.speculative.worker_selection import stage_load_group
+    from sglang_dflash_pp.srt.speculative.last_stage_draft_build import last_stage_draft_build
 
     hooked = draft_worker_common.build_draft_tp_worker
     seen = []
 
     def original(*args, **kwargs):
-        seen.append(kwargs.get("load_group", "<default>"))
+        seen.append((kwargs.get("load_group", "<default>"), kwargs.get("random_seed")))
 
     # Call our hook around a recording stand-in for the (GPU-building) original.
     from sglang_dflash_pp.srt.speculative.worker_selection import build_draft_tp_worker_around
 
     assert hooked.__wrapped__ is not None
     build_draft_tp_worker_around(original, algo_label="DFLASH")
-    with stage_load_group("stage-tp-group"):
+    with last_stage_draft_build("stage-tp-group", 1234):
         build_draft_tp_worker_around(original, algo_label="DFLASH")
-        build_draft_tp_worker_around(original, algo_label="DFLASH", load_group="explicit")
+        build_draft_tp_worker_around(
+            original, algo_label="DFLASH", load_group="explicit", random_seed=7
+        )
     build_draft_tp_worker_around(original, algo_label="DFLASH")
-    assert seen == ["<default>", "stage-tp-group", "explicit", "<default>"]
+    assert seen == [
+        ("<default>", None),
+        ("stage-tp-group", 1234),
+        ("explicit", 7),
+        ("<default>", None),
+    ]
 
 
 # -- scheduler relay ---------------------------------------------------------------------------

@@ -235,9 +235,21 @@ def _load_models(p: Resolution) -> _Models:
 def _partition(p: Resolution, models: _Models, out: dict, refusals: Refusals):
     from sglang.srt.distributed.utils import get_pp_indices
 
-    from sglang_dflash_pp.srt.models.capture_ownership import compute_feature_ownership
+    from sglang_dflash_pp.srt.arg_groups.dflash_pp_gate import target_class_refusal
+    from sglang_dflash_pp.srt.models.capture_ownership import (
+        capture_convention,
+        compute_feature_ownership,
+    )
 
     pp = int(p.value("pp_size", 1))
+    architectures = list(getattr(models.target_hf, "architectures", None) or [])
+    convention = capture_convention(architectures)
+    if convention is None:
+        refusals.add(
+            "target class (capture_ownership.PP_CAPTURE_TARGETS)",
+            target_class_refusal(architectures, p.value("model_path"), pp),
+        )
+        return None
     try:
         stage_layers = [get_pp_indices(models.num_layers, r, pp) for r in range(pp)]
     except ValueError as e:
@@ -250,7 +262,11 @@ def _partition(p: Resolution, models: _Models, out: dict, refusals: Refusals):
     )
     try:
         ownership = compute_feature_ownership(
-            stage_layers, models.target_layer_ids, models.num_layers
+            stage_layers, models.target_layer_ids, models.num_layers, convention
+        )
+        out["capture_convention"] = dict(
+            target_class=next(a for a in architectures if capture_convention([a])),
+            rule=convention.name,
         )
     except ValueError as e:
         refusals.add("feature ownership (capture_ownership)", f"DFLASH with --pp-size {pp}: {e}")

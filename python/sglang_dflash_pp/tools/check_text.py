@@ -73,6 +73,11 @@ def _stages(rep: dict) -> List[str]:
         )
         + f"): {rep['partition']['layers_per_stage']}",
         f"DFlash context features: target_layer_ids {dr['target_layer_ids']}",
+    ]
+    conv = rep.get("capture_convention")
+    if conv:
+        lines.append(f"Capture points ({conv['target_class']}): {conv['rule']}")
+    lines += [
         "  stage  layers      features (captured layer)  carry in  carry out",
     ]
     for s in rep["stages"]:

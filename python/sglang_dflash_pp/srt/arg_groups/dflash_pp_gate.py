@@ -9,9 +9,10 @@ Upstream refuses the combination in two places:
   identity afterwards), so every other DFLASH decision (draft-token count from the draft's block
   size, steps, topk, draft attention backend, running-request cap) is made exactly as for PP1.
   Then the draft and the target are checked: a plain, unquantised ``fc`` with ascending unique
-  ``target_layer_ids``; a target that captures on every PP stage (Kimi-K3); and a PP partition
-  (sglang's own, honouring ``SGLANG_PP_LAYER_PARTITION``) under which the last stage owns a
-  feature.
+  ``target_layer_ids``; a target whose every PP stage captures its own features (the
+  allow-list ``capture_ownership.PP_CAPTURE_TARGETS``: Kimi-K3 natively, Llama / Qwen3 /
+  Qwen3-MoE / gpt-oss through ``models/pp_capture``); and a PP partition (sglang's own, honouring
+  ``SGLANG_PP_LAYER_PARTITION``) under which the last stage owns a feature.
 * ``validation_hook.check_pipeline_parallel_compat`` asserts EAGLE/DSPARK only (launch time).
   AROUND hook: for DFLASH we apply our refusals, then run the stock checks through a view on which
   the algorithm reads ``DSPARK``, whose PP branch (PD prefill, no ``SGLANG_ENABLE_PP_SPEC``) is the
@@ -30,7 +31,11 @@ from contextlib import contextmanager
 from typing import Any, Iterator, List, Optional, Tuple
 
 from sglang_dflash_pp.hooks import PluginHook, require_hooks_applied
-from sglang_dflash_pp.srt.models.capture_ownership import compute_feature_ownership
+from sglang_dflash_pp.srt.models.capture_ownership import (
+    PP_CAPTURE_TARGETS,
+    capture_convention,
+    compute_feature_ownership,
+)
 from sglang_dflash_pp.srt.speculative.draft_config_checks import (
     target_layer_ids_refusal,
 )
@@ -83,12 +88,6 @@ def serving_refusal(cfg: Any) -> Optional[str]:
             "--cuda-graph-backend-prefill or pass --cuda-graph-backend-prefill disabled."
         )
     return None
-
-
-# Targets whose 0.5.23 model relays DFLASH captures between PP stages (``dspark_hidden_states``)
-# with the capture semantics of ``capture_ownership``. Other targets (Llama, Qwen3, ...) install
-# their DFLASH taps on the last PP rank only, so earlier layers would never be captured.
-SUPPORTED_TARGETS = ("KimiK3LinearForCausalLM", "KimiK3ForConditionalGeneration")
 
 
 def _hf_config(cfg: Any, path: str, revision: Optional[str]):
@@ -154,6 +153,18 @@ def target_capture_layout(target_hf_config: Any, draft_hf_config: Any) -> Tuple[
     return num_layers, list(target_layer_ids)
 
 
+def target_class_refusal(architectures: List[str], where: str, pp_size: int) -> Optional[str]:
+    """Refuse target classes whose non-last PP stages do not capture the draft's features."""
+    if capture_convention(architectures) is not None:
+        return None
+    return (
+        f"DFLASH with --pp-size {pp_size} supports the target classes "
+        f"{sorted(PP_CAPTURE_TARGETS)}, whose every PP stage captures the draft's context "
+        f"features; {where} is {architectures}, which sglang 0.5.23 captures on the last PP "
+        "stage only. Serve it with --pp-size 1."
+    )
+
+
 def target_layout_refusal(cfg: Any, draft_hf_config: Any) -> Optional[str]:
     """Refuse targets that do not capture on every stage, and PP layouts the ownership rule
     cannot serve (computed from sglang's own partition, as every stage will compute it)."""
@@ -161,18 +172,16 @@ def target_layout_refusal(cfg: Any, draft_hf_config: Any) -> Optional[str]:
 
     target_hf_config = _hf_config(cfg, cfg.model_path, cfg.revision)
     architectures = list(getattr(target_hf_config, "architectures", None) or [])
-    if not set(architectures) & set(SUPPORTED_TARGETS):
-        return (
-            f"DFLASH with --pp-size {int(cfg.pp_size)} supports the targets "
-            f"{list(SUPPORTED_TARGETS)}, whose models capture the draft's context features on "
-            f"every PP stage; {cfg.model_path} is {architectures}, which captures them on the "
-            "last stage only. Serve it with --pp-size 1."
-        )
+    refusal = target_class_refusal(architectures, cfg.model_path, int(cfg.pp_size))
+    if refusal:
+        return refusal
     num_layers, target_layer_ids = target_capture_layout(target_hf_config, draft_hf_config)
     pp_size = int(cfg.pp_size)
     try:
         stage_layers = [get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size)]
-        compute_feature_ownership(stage_layers, target_layer_ids, num_layers)
+        compute_feature_ownership(
+            stage_layers, target_layer_ids, num_layers, capture_convention(architectures)
+        )
     except ValueError as e:  # OwnershipError, or a malformed SGLANG_PP_LAYER_PARTITION
         return f"DFLASH with --pp-size {pp_size}: {e}"
     return None

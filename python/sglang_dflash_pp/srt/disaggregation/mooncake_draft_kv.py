@@ -65,6 +65,10 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
     pack_source_rows,
     pages_per_send,
 )
+from sglang_dflash_pp.srt.disaggregation.mha_layer_ids import (
+    decode_mha_layer_ids,
+    published_num_layers,
+)
 from sglang_dflash_pp.srt.disaggregation.prefill_draft_kv import draft_kv_source_for
 
 logger = logging.getLogger(__name__)
@@ -211,11 +215,26 @@ def _pack_buffer(self, source):
         return buffer
 
 
+def _fill_decode_layer_ids(self, registration) -> None:
+    """A stock plain-MHA decode publishes no layer ids; when this prefill stage pairs by id
+    (``mha_layer_ids``), give the record the ids of the layout the decode registered."""
+    num_layers = published_num_layers()
+    if num_layers is None or registration.dst_kv_layer_ids or not self.kv_args.kv_layer_ids:
+        return
+    try:
+        registration.dst_kv_layer_ids = decode_mha_layer_ids(
+            num_layers, registration.dst_kv_item_lens, len(registration.dst_kv_ptrs)
+        )
+    except ValueError as e:
+        raise DraftKVLayoutError(str(e)) from None
+
+
 def validate_peer_state_layout_around(original, self, registration_info, *args, **kwargs):
     fully_checked, mismatch = original(self, registration_info, *args, **kwargs)
     if mismatch is not None:
         return fully_checked, mismatch
     try:
+        _fill_decode_layer_ids(self, registration_info)
         plan = draft_kv_verdict(self, registration_info)
     except DraftKVLayoutError as e:
         return False, (

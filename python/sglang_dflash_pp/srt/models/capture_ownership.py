@@ -3,27 +3,66 @@
 The DFlash context is ``RMSNorm(fc(concat(h_0..h_{K-1})))`` over the outputs of the target layers
 ``target_layer_ids``. Under PP each stage sees only its own layers, so each stage can contribute
 only the features it captures itself, and must project exactly those with its column blocks of
-``fc``. This module states that rule for targets that capture like Kimi-K3 in 0.5.23:
+``fc``. Every target class this plugin accepts reads the output of layer ``L`` where layer
+``L + 1`` takes its attention input (0.5.23's "capture before layer id+1"). The classes differ only
+in what happens to the final layer's output (:class:`CaptureConvention`):
 
-* On the standard residual path the output of layer ``L`` is read where layer ``L + 1`` takes its
-  attention input (``capture_gathered``), and the final layer's at the final norm.
-* On the attention-residual bank path the capture is formed with the *next* layer's aggregation
-  weights, so a stage whose last layer is ``L`` defers it to the stage that holds ``L + 1``.
+* Kimi-K3 and gpt-oss read it at the final norm, on the last stage. Kimi-K3's
+  attention-residual bank path also forms a capture with the *next* layer's aggregation weights,
+  so a stage whose last layer is ``L`` defers it to the stage that holds ``L + 1``. Both give:
+  **feature L is owned by the stage whose layer range contains ``min(L + 1, N - 1)``**.
+* Llama, Qwen3 and Qwen3-MoE never capture the final layer's output: **feature L is owned by the
+  stage holding layer ``L + 1``**, and a draft naming layer ``N - 1`` is refused (stock DFLASH
+  would fail on it at the first request, PP or not).
 
-Both give: **feature L is owned by the stage whose layer range contains ``min(L + 1, N - 1)``**.
-Pure: no sglang import; the glue feeds it sglang's own partition (``get_pp_indices``).
+:data:`PP_CAPTURE_TARGETS` is the allow-list: the target architectures whose every PP stage
+captures its own features (Kimi-K3 natively, the others through ``models/pp_capture``), each with
+its convention. Pure: no sglang import; the glue feeds it sglang's own partition
+(``get_pp_indices``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from sglang_dflash_pp.srt.speculative.draft_config_checks import target_layer_ids_refusal
 
 
 class OwnershipError(ValueError):
     """The PP layout cannot serve the draft's context features; raised before serving."""
+
+
+@dataclass(frozen=True)
+class CaptureConvention:
+    """Where a target class captures the output of its final layer."""
+
+    name: str
+    final_layer_at_norm: bool  # True: read at the final norm (last stage); False: never captured
+
+
+FINAL_LAYER_AT_NORM = CaptureConvention("input of layer L+1; the final layer at the final norm", True)
+BEFORE_NEXT_LAYER = CaptureConvention("input of layer L+1; the final layer is never captured", False)
+
+# Architecture (``config.json`` ``architectures``) -> convention. Every name here is a class whose
+# non-last PP stages capture their own features: Kimi-K3 in stock 0.5.23, the rest through the
+# hooks in ``models/pp_capture`` (one test per class). Anything else is refused by name.
+PP_CAPTURE_TARGETS: Dict[str, CaptureConvention] = {
+    "KimiK3ForConditionalGeneration": FINAL_LAYER_AT_NORM,
+    "KimiK3LinearForCausalLM": FINAL_LAYER_AT_NORM,
+    "GptOssForCausalLM": FINAL_LAYER_AT_NORM,
+    "LlamaForCausalLM": BEFORE_NEXT_LAYER,
+    "Qwen3ForCausalLM": BEFORE_NEXT_LAYER,
+    "Qwen3MoeForCausalLM": BEFORE_NEXT_LAYER,
+}
+
+
+def capture_convention(architectures: Sequence[str]) -> Optional[CaptureConvention]:
+    """The convention of the first listed architecture we accept, or None (refused)."""
+    for arch in architectures or ():
+        if arch in PP_CAPTURE_TARGETS:
+            return PP_CAPTURE_TARGETS[arch]
+    return None
 
 
 @dataclass(frozen=True)
@@ -81,9 +120,14 @@ class FeatureOwnership:
         ]
 
 
-def owning_layer(layer_id: int, num_layers: int) -> int:
-    """The layer whose stage captures the output of ``layer_id``."""
-    return min(int(layer_id) + 1, int(num_layers) - 1)
+def owning_layer(
+    layer_id: int, num_layers: int, convention: CaptureConvention = FINAL_LAYER_AT_NORM
+) -> Optional[int]:
+    """The layer whose stage captures the output of ``layer_id``; None if no stage does."""
+    following = int(layer_id) + 1
+    if following < int(num_layers):
+        return following
+    return int(num_layers) - 1 if convention.final_layer_at_norm else None
 
 
 def _layout_refusal(stage_layers: Sequence[Tuple[int, int]], num_layers: int) -> Optional[str]:
@@ -108,6 +152,7 @@ def compute_feature_ownership(
     stage_layers: Sequence[Tuple[int, int]],
     target_layer_ids: Sequence[int],
     num_layers: int,
+    convention: CaptureConvention = FINAL_LAYER_AT_NORM,
 ) -> FeatureOwnership:
     """Assign every context feature to its capturing stage, or refuse with the fix."""
     num_layers = int(num_layers)
@@ -128,11 +173,21 @@ def compute_feature_ownership(
     refusal = target_layer_ids_refusal(ids, where="the draft")
     if refusal:
         raise OwnershipError(refusal)
+    never = [i for i in ids if owning_layer(i, num_layers, convention) is None]
+    if never:
+        raise OwnershipError(
+            f"target_layer_ids {list(ids)} name the final layer {never}, whose output this "
+            f"target never captures (it captures the output of layer L as the input of layer "
+            f"L+1, and there is no layer {num_layers}). Stock DFLASH fails on it too; use a "
+            "draft trained for this target's capture points."
+        )
 
     stages = []
     for s, (start, end) in enumerate(stage_layers):
         owned = tuple(
-            j for j, layer in enumerate(ids) if start <= owning_layer(layer, num_layers) < end
+            j
+            for j, layer in enumerate(ids)
+            if start <= owning_layer(layer, num_layers, convention) < end
         )
         stages.append(StageFeatures(s, start, end, owned, tuple(ids[j] for j in owned)))
     ownership = FeatureOwnership(num_layers, ids, tuple(stages))
@@ -143,9 +198,10 @@ def compute_feature_ownership(
         raise OwnershipError(
             f"The last PP stage (layers [{last.start_layer}, {last.end_layer})) captures none of "
             f"the draft's target_layer_ids {list(ids)}: layer {highest} is captured where layer "
-            f"{highest + 1} runs, on stage {ownership.owner_of(len(ids) - 1)}. The last stage "
+            f"{owning_layer(highest, num_layers, convention)} runs, on stage "
+            f"{ownership.owner_of(len(ids) - 1)}. The last stage "
             "must own at least one feature (it normalises the context and writes the draft KV). "
             f"Set SGLANG_PP_LAYER_PARTITION so that the last stage starts at layer "
-            f"{highest + 1} or earlier."
+            f"{owning_layer(highest, num_layers, convention)} or earlier."
         )
     return ownership

@@ -12,7 +12,8 @@ and its KV pool on every stage, and on a non-last stage dereferences ``logits_ou
 * the last stage is the stock worker with the inbound partial stashed on the draft model around the
   stock forward (the ``models/dflash.py`` hook finishes it), minus the two target-embedding steps
   that cannot run where the embedding is not local, and minus the verify-sampling rehearsal (a
-  prefill server never verifies); it builds its draft with the stage-local load group.
+  prefill server never verifies); it builds its draft with the target's synchronised seed and
+  the stage-local load group (``last_stage_draft_build``: stock would deadlock here).
 
 Importing this module imports sglang's scheduler stack; the hooks import it only when a DFLASH PP
 prefill worker is actually created.
@@ -40,6 +41,7 @@ from sglang_dflash_pp.hooks import require_hooks_applied
 from sglang_dflash_pp.srt.arg_groups.dflash_pp_gate import CONFIGURATION
 from sglang_dflash_pp.srt.models.capture_ownership import (
     FeatureOwnership,
+    capture_convention,
     compute_feature_ownership,
 )
 from sglang_dflash_pp.srt.models.context_partial import carry_dtype_from_env, fc_column_block
@@ -50,7 +52,7 @@ from sglang_dflash_pp.srt.speculative.pp_stage_carry import (
     inbound_partial,
     replace_capture_with_partial,
 )
-from sglang_dflash_pp.srt.speculative.worker_selection import stage_load_group
+from sglang_dflash_pp.srt.speculative.last_stage_draft_build import last_stage_draft_build
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,14 @@ def stage_ownership(target_worker) -> FeatureOwnership:
             f"partition says {stage_layers[pp_rank]}; cannot assign DFlash features."
         )
     ids = runner.spec_aux_config.dflash_target_layer_ids
-    return compute_feature_ownership(stage_layers, ids, num_layers)
+    architectures = getattr(runner.model_config.hf_config, "architectures", None) or []
+    convention = capture_convention(architectures)
+    if convention is None:
+        raise RuntimeError(
+            f"DFLASH PP stage {pp_rank}: target {architectures} does not capture on every PP "
+            "stage; startup resolution should have refused it."
+        )
+    return compute_feature_ownership(stage_layers, ids, num_layers, convention)
 
 
 def _local_draft_dir(path: str, revision: Optional[str]) -> str:
@@ -93,7 +102,7 @@ class PPDFlashWorkerV2(DFlashWorkerV2):
         self._carry_dtype = carry_dtype_from_env()
         self._hosts_draft = self._carry.is_last
         if self._hosts_draft:
-            with stage_load_group(get_pp_stage_load_group()):
+            with last_stage_draft_build(get_pp_stage_load_group(), target_worker.random_seed):
                 super().__init__(server_args, gpu_id, nccl_port, target_worker)
             self._w_stage = fc_column_block(
                 self.draft_model.fc.weight, self._carry.features, hidden

@@ -7,32 +7,16 @@ Hooks:
   gets ``PPDFlashWorkerV2`` (``dflash_pp_worker``); every other configuration, DFLASH PP1 included,
   gets exactly the class stock returns.
 * AROUND ``draft_worker_common.build_draft_tp_worker``: while ``PPDFlashWorkerV2`` builds its draft
-  on the last stage, pass the stage-local load group. Stock DFLASH builds with the default (world)
-  group, and an InstantTensor load on the last stage alone would wait forever for the other
-  stages. The group is captured before ``draft_pp_context`` (inside it ``pp_size`` reads 1), as
-  DSpark does. Outside that window the hook passes the call through untouched.
+  on the last stage, pass the target's already-synchronised random seed and the stage-local load
+  group (``last_stage_draft_build`` says why: without them the last stage waits in a WORLD
+  collective the other stages never enter, and the server deadlocks at startup). Outside that
+  window the hook passes the call through untouched.
 """
 
 from __future__ import annotations
 
-import contextvars
-from contextlib import contextmanager
-from typing import Any, Iterator
-
 from sglang_dflash_pp.hooks import PluginHook
-
-_stage_load_group: contextvars.ContextVar = contextvars.ContextVar(
-    "sglang_dflash_pp_stage_load_group", default=None
-)
-
-
-@contextmanager
-def stage_load_group(group: Any) -> Iterator[None]:
-    token = _stage_load_group.set(group)
-    try:
-        yield
-    finally:
-        _stage_load_group.reset(token)
+from sglang_dflash_pp.srt.speculative.last_stage_draft_build import current_draft_build
 
 
 def _is_pp_prefill(server_args) -> bool:
@@ -56,9 +40,11 @@ def create_worker_around(original, self, server_args, *args, **kwargs):
 
 
 def build_draft_tp_worker_around(original, *args, **kwargs):
-    group = _stage_load_group.get()
-    if group is not None and "load_group" not in kwargs:
-        kwargs["load_group"] = group
+    build = current_draft_build()
+    if build is not None:
+        kwargs.setdefault("load_group", build.load_group)
+        if kwargs.get("random_seed") is None:
+            kwargs["random_seed"] = build.random_seed
     return original(*args, **kwargs)
 
 
@@ -73,6 +59,6 @@ HOOKS = (
         "sglang.srt.speculative.draft_worker_common.build_draft_tp_worker",
         build_draft_tp_worker_around,
         "around",
-        "last PP stage: load the DFLASH draft with the stage-local load group",
+        "last PP stage: build the DFLASH draft with the synchronised seed and stage load group",
     ),
 )

@@ -1,0 +1,248 @@
+"""Real SGLang server processes on this CPU box, for the tests.
+
+``python -m sglang.launch_server`` and ``python -m sglang_router.launch_router``, started as
+separate process trees bound to 127.0.0.1, with the environment ``../shared/design/cpu-servers.md``
+says stock 0.5.23 needs on a CPU, and the test-only plugin ``test/cpu_support`` on their
+``PYTHONPATH`` (it bypasses the CUDA-only spots; see its docstrings). Nothing here reaches the
+product: the tests only talk HTTP to these processes and read the files they were asked to write.
+
+Every wait is bounded. A server that is not ready in time has its threads' stacks dumped into its
+log (SIGUSR1 -> faulthandler, installed by the test-support plugin) and the error carries the log
+tail, so a startup hang fails the test with the place each process waits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+TEST_ROOT = os.path.dirname(os.path.abspath(__file__))
+CPU_SUPPORT = os.path.join(TEST_ROOT, "cpu_support")
+
+# cpu-servers.md section 2: Mooncake over TCP on loopback, CPU-safe PD switches.
+PD_ENV = {
+    "MOONCAKE_PROTOCOL": "tcp",
+    "MC_FORCE_TCP": "1",
+    "SGLANG_HOST_IP": "127.0.0.1",
+    "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0",
+}
+# Speculative decoding moves KV with torch instead of the Triton tiled copy.
+SPEC_ENV = {"SGLANG_NATIVE_MOVE_KV_CACHE": "1"}
+# More than one rank per server (PP or TP) over gloo: one OMP group per rank, and no pynccl
+# (the CUDA torch wheel ships libnccl, which then refuses CPU tensors).
+MULTI_RANK_ENV = {"SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_vllm_stub(root: str) -> str:
+    """A stub ``vllm`` package: RoPE binds ``vllm._custom_ops.rotary_embedding`` at construction
+    unless sglang's CPU engine is on (which needs a CPU sgl-kernel build that does not exist on
+    PyPI); the stub is never called on CPU (cpu-harness.md items 3 and 5)."""
+    pkg = os.path.join(root, "vllm")
+    os.makedirs(pkg, exist_ok=True)
+    with open(os.path.join(pkg, "__init__.py"), "w") as f:
+        f.write('"""Test stub: lets sglang construct RoPE on a CPU-only box."""\n')
+    with open(os.path.join(pkg, "_custom_ops.py"), "w") as f:
+        f.write(
+            "def rotary_embedding(*args, **kwargs):\n"
+            "    raise RuntimeError('vllm stub: rotary_embedding is never called on CPU')\n"
+        )
+    return root
+
+
+class ServerProcess:
+    """One process tree (launcher and its children), its log, and a readiness probe."""
+
+    def __init__(self, name: str, cmd: Sequence[str], env: Dict[str, str], log_path: str,
+                 ready_url: str, base_url: str):
+        self.name = name
+        self.cmd = list(cmd)
+        self.env = env
+        self.log_path = log_path
+        self.ready_url = ready_url
+        self.base_url = base_url
+        self.proc: Optional[subprocess.Popen] = None
+        self.started_at: Optional[float] = None
+        self.ready_after_s: Optional[float] = None
+
+    @property
+    def port(self) -> int:
+        return int(self.base_url.rsplit(":", 1)[1])
+
+    def start(self) -> "ServerProcess":
+        self.started_at = time.monotonic()
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                start_new_session=True, cwd=TEST_ROOT,
+            )  # fmt: skip
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _ready(self) -> bool:
+        import requests
+
+        try:
+            return requests.get(self.ready_url, timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def poll_ready(self, timeout_s: float) -> bool:
+        """One readiness probe: True once ready; raises if the process died or time ran out."""
+        if self.ready_after_s is not None:
+            return True
+        if not self.alive():
+            raise RuntimeError(
+                f"{self.name} exited with {self.proc.returncode} before it was ready; "
+                f"log tail:\n{self.log_tail()}"
+            )
+        if self._ready():
+            self.ready_after_s = time.monotonic() - self.started_at
+            return True
+        if time.monotonic() > self.started_at + timeout_s:
+            self.dump_stacks()
+            tail = self.log_tail(8000)
+            self.kill()
+            raise TimeoutError(
+                f"{self.name} was not ready within {timeout_s:.0f} s (a startup hang?). "
+                f"Stacks of its processes were dumped into {self.log_path}; tail:\n{tail}"
+            )
+        return False
+
+    def wait_ready(self, timeout_s: float) -> "ServerProcess":
+        wait_all([self], timeout_s)
+        return self
+
+    def family(self):
+        import psutil
+
+        if self.proc is None:
+            return []
+        try:
+            parent = psutil.Process(self.proc.pid)
+            return parent.children(recursive=True) + [parent]
+        except psutil.NoSuchProcess:
+            return []
+
+    def dump_stacks(self, settle_s: float = 3.0) -> None:
+        for p in self.family():
+            try:
+                p.send_signal(signal.SIGUSR1)
+            except Exception:
+                pass
+        time.sleep(settle_s)
+
+    def kill(self) -> None:
+        import psutil
+
+        family = self.family()
+        for p in family:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(family, timeout=30)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=30)
+            except Exception:
+                pass
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-n:]
+        except OSError:
+            return "<no log>"
+
+    def log_text(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+def sglang_env(stub_root: str, *, ranks: int = 1, pd: bool = False, spec: bool = False,
+               extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.pop("SGLANG_USE_CPU_ENGINE", None)  # cpu-harness.md: must stay unset
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [CPU_SUPPORT, stub_root, env.get("PYTHONPATH")]))
+    if pd:
+        env.update(PD_ENV)
+    if spec:
+        env.update(SPEC_ENV)
+    if ranks > 1:
+        env.update(MULTI_RANK_ENV)
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % max(1, os.cpu_count() or 1))
+                                                      for r in range(ranks))
+    env.update(extra or {})
+    return env
+
+
+def launch_server(name: str, root: str, model_path: str, args: Sequence[str], *,
+                  stub_root: str, ranks: int = 1, pd: bool = False, spec: bool = False,
+                  env: Optional[Dict[str, str]] = None) -> ServerProcess:
+    """Start ``python -m sglang.launch_server`` on CPU (not waiting for it)."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+        "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), *args,
+    ]  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    return ServerProcess(
+        name, cmd, sglang_env(stub_root, ranks=ranks, pd=pd, spec=spec, extra=env),
+        os.path.join(root, f"{name}.log"), base + "/health", base,
+    ).start()
+
+
+def launch_pd_router(name: str, root: str, prefills: Sequence[tuple], decodes: Sequence[str]
+                     ) -> ServerProcess:
+    """Start the real PD router: ``prefills`` are (base_url, bootstrap_port), ``decodes`` URLs."""
+    port, metrics = free_port(), free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    for url, bootstrap in prefills:
+        cmd += ["--prefill", url, str(bootstrap)]
+    for url in decodes:
+        cmd += ["--decode", url]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(metrics)]
+    base = f"http://127.0.0.1:{port}"
+    # /readiness answers 200 once the router has registered healthy workers (it listens before).
+    return ServerProcess(name, cmd, dict(os.environ), os.path.join(root, f"{name}.log"),
+                         base + "/readiness", base).start()
+
+
+def generate(base_url: str, text: str, max_new_tokens: int, *, rid: Optional[str] = None,
+             timeout_s: float = 300.0) -> dict:
+    """One greedy ``/generate``; raises with the body on an HTTP error."""
+    import requests
+
+    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    if rid is not None:
+        body["rid"] = rid
+    r = requests.post(base_url + "/generate", json=body, timeout=timeout_s)
+    if r.status_code != 200:
+        raise RuntimeError(f"POST {base_url}/generate -> {r.status_code}: {r.text[:2000]}")
+    return r.json()
+
+
+def wait_all(servers: List[ServerProcess], timeout_s: float) -> None:
+    """Probe every server until all are ready (each timed from its own start); on the first
+    failure kill them all and re-raise."""
+    try:
+        while not all([s.poll_ready(timeout_s) for s in servers]):
+            time.sleep(1)
+    except BaseException:
+        for s in servers:
+            s.kill()
+        raise

@@ -1,0 +1,250 @@
+"""The CPU bypasses, one per stock 0.5.23 symbol that cannot run on a CPU.
+
+Each entry says: the stock symbol, why it cannot run here, what we do instead, and why that does
+not touch what the end-to-end tests prove (tokens, draft KV, acceptance, the PP/PD plumbing). All
+of them are inert for CUDA tensors and for ``--device`` other than ``cpu``.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: str
+    hook: Callable
+    hook_type: str
+    why: str
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# -- 1. arg_groups/speculative_hook._handle_dflash: the platform refusal ---------------------------
+# Stock: "DFLASH speculative decoding is not supported by SRTPlatform on device 'cpu'"; the draft
+# attention backend resolution also knows no CPU backend. The base SRTPlatform on a CUDA-less box
+# declares nothing. While ``_handle_dflash`` runs for ``--device cpu`` we show it a platform view
+# that supports DFLASH with a CPU attention backend (torch_native; triton under the interpreter).
+# Every other decision of the handler (block size, steps, topk, running-request cap) is stock.
+
+
+class _CpuDflashPlatform:
+    """Read-through view of the real platform that declares DFLASH on CPU."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def is_out_of_tree(self) -> bool:
+        return True
+
+    def supports_speculative_algorithm(self, algorithm: str) -> bool:
+        return algorithm == "DFLASH"
+
+    def supports_speculative_draft_attention_backend(self, algorithm: str, backend: str) -> bool:
+        return backend in ("torch_native", "triton")
+
+    def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
+        return "triton" if _interpreting() else "torch_native"
+
+
+def handle_dflash_on_cpu(original, server_args, *args, **kwargs):
+    from sglang.srt.arg_groups import speculative_hook
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    if resolving_view(server_args).device != "cpu":
+        return original(server_args, *args, **kwargs)
+    real = speculative_hook.current_platform
+    speculative_hook.current_platform = _CpuDflashPlatform(real)
+    try:
+        return original(server_args, *args, **kwargs)
+    finally:
+        speculative_hook.current_platform = real
+
+
+def draft_worker_backend_on_cpu(original, *args, **kwargs):
+    """``speculative/draft_worker_common.resolve_draft_worker_attention_backend`` falls back to
+    flashinfer for any backend outside its CUDA list; on ``--device cpu`` keep the CPU backend
+    resolution chose (the same one the target runs)."""
+    from sglang.srt.runtime_context import get_device, get_spec
+
+    backend = get_spec().speculative_draft_attention_backend
+    if get_device().device == "cpu" and backend in ("torch_native", "triton"):
+        return backend
+    return original(*args, **kwargs)
+
+
+# -- 2. mem_cache/memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup --------------------------
+# Speculative decoding turns on the KV-cache copy, whose warm-up launches a Triton kernel (no
+# driver on CPU). The tests set SGLANG_NATIVE_MOVE_KV_CACHE=1 so every real move uses torch; the
+# warm-up is then pointless and skipped for CPU pools only.
+
+
+def skip_kv_copy_warmup_on_cpu(original, self, *args, **kwargs):
+    if torch.device(self.device).type == "cpu" and not _interpreting():
+        self._kv_copy_config = None
+        return None
+    return original(self, *args, **kwargs)
+
+
+# -- 3. mem_cache/allocation.assign_req_to_token_pool_func ---------------------------------------
+# Its CPU branch needs sgl_kernel's CPU ops (not in the CUDA wheel; cpu-harness.md), otherwise it
+# launches a Triton kernel. Same contract in torch: row ``req_pool_indices[i]`` of
+# ``req_to_token`` gets ``out_cache_loc``'s next ``end - start`` entries at ``[start, end)``.
+
+
+def assign_req_to_token_pool_torch(original, req_pool_indices, req_to_token, start_offset,
+                                   end_offset, out_cache_loc, batch_size, *args, **kwargs):
+    if req_to_token.is_cuda or _interpreting():
+        return original(req_pool_indices, req_to_token, start_offset, end_offset,
+                        out_cache_loc, batch_size, *args, **kwargs)
+    taken = 0
+    for i in range(int(batch_size)):
+        start, end = int(start_offset[i]), int(end_offset[i])
+        row = int(req_pool_indices[i])
+        req_to_token[row, start:end] = out_cache_loc[taken : taken + end - start].to(
+            req_to_token.dtype
+        )
+        taken += end - start
+    return None
+
+
+# -- 4. kernels/ops/speculative/cache_locs.assign_extend_cache_locs_func --------------------------
+# No CPU branch (returns None). Same contract in torch: the cache locations
+# ``req_to_token[req_pool_indices[i], start[i]:end[i]]``, concatenated.
+
+
+def assign_extend_cache_locs_torch(original, req_pool_indices, req_to_token, start_offset,
+                                   end_offset, batch_size, draft_token_num, device, *args, **kwargs):
+    if req_to_token.is_cuda or _interpreting():
+        return original(req_pool_indices, req_to_token, start_offset, end_offset,
+                        batch_size, draft_token_num, device, *args, **kwargs)
+    rows = [
+        req_to_token[int(req_pool_indices[i]), int(start_offset[i]) : int(end_offset[i])]
+        for i in range(int(batch_size))
+    ]
+    return torch.cat(rows).to(torch.int64) if rows else torch.empty(0, dtype=torch.int64)
+
+
+# -- 5. layers/attention/torch_native_backend.TorchNativeAttnBackend.forward_extend ---------------
+# DFLASH verify (and the draft block, which also runs as TARGET_VERIFY) reaches forward_extend
+# without extend lengths: the CUDA backends derive them from the draft-token count. We give the
+# stock torch implementation the same view for that call: every request extends its committed
+# ``seq_lens`` by ``tokens / batch`` rows. The attention math is stock.
+
+
+@contextmanager
+def _verify_extend_view(forward_batch, num_tokens: int):
+    bs = int(forward_batch.batch_size)
+    per_req = num_tokens // bs
+    saved = (forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens, forward_batch.seq_lens)
+    prefix = forward_batch.seq_lens
+    forward_batch.extend_prefix_lens = prefix
+    forward_batch.extend_seq_lens = torch.full_like(prefix, per_req)
+    forward_batch.seq_lens = prefix + per_req
+    try:
+        yield
+    finally:
+        (forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens,
+         forward_batch.seq_lens) = saved
+
+
+def torch_native_target_verify(original, self, q, k, v, layer, forward_batch, *args, **kwargs):
+    if forward_batch.extend_seq_lens is not None or not forward_batch.forward_mode.is_target_verify():
+        return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+    with _verify_extend_view(forward_batch, q.shape[0]):
+        return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+
+
+# -- 6. model_executor/model_runner.ModelRunner._extend_forward_kwargs ----------------------------
+# Casts ``input_embeds`` to bf16 whatever the model dtype (an upstream bug on any device; it only
+# bites fp32 models, which the tests use for exact comparisons). We hand the model its own dtype.
+
+
+def input_embeds_in_model_dtype(original, self, forward_batch, *args, **kwargs):
+    out = original(self, forward_batch, *args, **kwargs)
+    if (
+        "input_embeds" in out
+        and forward_batch.input_embeds is not None
+        and forward_batch.replace_embeds is None
+        and self.dtype != torch.bfloat16
+    ):
+        out["input_embeds"] = forward_batch.input_embeds.to(self.dtype)
+    return out
+
+
+# -- 7. disaggregation/mooncake/conn.MooncakeKVSender.supports_host_tensor_indices ---------------
+# When True, the PD prefill path (disaggregation/prefill.py, send_kv_chunk) stages page indices in
+# pinned host memory and records a CUDA event. On a CPU the indices already live in host memory:
+# the sender takes the plain path (the one every non-Mooncake backend takes), same indices.
+
+
+def mooncake_sender_host_indices_off_on_cpu(original, self, *args, **kwargs):
+    out = original(self, *args, **kwargs)
+    from sglang.srt.runtime_context import get_device
+
+    if get_device().device == "cpu":
+        self.supports_host_tensor_indices = False
+    return out
+
+
+def _commit_then_dump(original, self, decode_req, *args, **kwargs):
+    from sglang_dflash_pp_cpu_support.draft_kv_readout import commit_then_dump
+
+    return commit_then_dump(original, self, decode_req, *args, **kwargs)
+
+
+PATCHES = (
+    Patch("sglang.srt.arg_groups.speculative_hook._handle_dflash", handle_dflash_on_cpu, "around",
+          "declare DFLASH with a CPU draft attention backend for --device cpu"),
+    Patch("sglang.srt.speculative.draft_worker_common.resolve_draft_worker_attention_backend",
+          draft_worker_backend_on_cpu, "around", "keep the CPU draft attention backend"),
+    Patch("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup",
+          skip_kv_copy_warmup_on_cpu, "around", "no Triton KV-copy warm-up on CPU pools"),
+    Patch("sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func",
+          assign_req_to_token_pool_torch, "around", "torch req_to_token assignment on CPU"),
+    Patch("sglang.kernels.ops.speculative.cache_locs.assign_extend_cache_locs_func",
+          assign_extend_cache_locs_torch, "around", "torch extend cache locations on CPU"),
+    Patch("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
+          torch_native_target_verify, "around", "TARGET_VERIFY extend lengths for torch_native"),
+    Patch("sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__",
+          mooncake_sender_host_indices_off_on_cpu, "around", "plain host page indices on CPU"),
+    Patch("sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs",
+          input_embeds_in_model_dtype, "around", "input embeds in the model's dtype"),
+    Patch("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
+          _commit_then_dump, "around", "test readout of the decode's transferred draft KV"),
+)
+
+
+# -- 7. torch.Tensor.record_stream on CPU tensors --------------------------------------------------
+# DFlashWorkerV2.forward_batch_generation records ``seq_lens`` on the device's current stream;
+# CPU tensors have no streams. A no-op for CPU tensors (there is no other stream to race with).
+
+_record_stream = torch.Tensor.record_stream
+
+
+def _record_stream_cpu_noop(self, stream):
+    if self.device.type == "cpu":
+        return None
+    return _record_stream(self, stream)
+
+
+def install_process_patches() -> None:
+    """Patches that are not sglang symbols, installed once per server process."""
+    import faulthandler
+    import signal
+
+    if torch.Tensor.record_stream is not _record_stream_cpu_noop:
+        torch.Tensor.record_stream = _record_stream_cpu_noop
+    # Not a bypass: lets a test that times out on a hung startup print every thread's stack
+    # into the server log (SIGUSR1) before it kills the server.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)

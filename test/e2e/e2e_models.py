@@ -1,0 +1,173 @@
+"""Tiny fp32 model directories with seeded weights for the end-to-end servers.
+
+* :func:`write_llama_target`: a random ``LlamaForCausalLM`` (saved by transformers) with the
+  byte-level tokenizer; 4 layers so a PP2 prefill has two stages of two layers.
+* :func:`write_dflash_draft`: a random ``DFlashDraftModel`` checkpoint, written tensor by tensor
+  under the names sglang's ``DFlashDraftModel.load_weights`` maps (HF q/k/v/o, gate/up/down,
+  norms, ``fc``, ``hidden_norm``). Every parameter the model has is written, so nothing is left
+  uninitialised (``test_every_draft_parameter_is_in_the_checkpoint`` checks the names against the
+  real class).
+* :func:`write_cycling_target` / zero-norm draft: the constructed pair whose acceptance is known
+  in closed form (``verify_steps``).
+
+Everything is generated under a pytest tmp dir; no hub access.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+VOCAB = 512
+HIDDEN = 64
+TARGET_LAYERS = 4
+TARGET_HEADS = 4
+HEAD_DIM = 16
+BLOCK_SIZE = 4
+MASK_TOKEN_ID = 260
+# Llama captures the output of layer L at the input of layer L + 1, so the last layer (3) cannot
+# be a feature. With PP2 ([0, 2), [2, 4)) stage 0 owns feature 0 and stage 1 features 1 and 2.
+TARGET_LAYER_IDS = (0, 1, 2)
+
+
+def _byte_tokenizer(path: str) -> None:
+    import tiny_models
+
+    tiny_models.write_byte_tokenizer(path)
+
+
+def write_llama_target(path: str, *, kv_heads: int = 2, seed: int = 0, std: float = 0.02) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+        num_hidden_layers=TARGET_LAYERS, num_attention_heads=TARGET_HEADS,
+        num_key_value_heads=kv_heads, head_dim=HEAD_DIM, max_position_embeddings=4096,
+        bos_token_id=256, eos_token_id=257, pad_token_id=259, tie_word_embeddings=False,
+        initializer_range=std, torch_dtype="float32",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+    _byte_tokenizer(path)
+    return path
+
+
+def draft_config(*, kv_heads: int = 2, num_layers: int = 2,
+                 target_layer_ids: Sequence[int] = TARGET_LAYER_IDS) -> dict:
+    return dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=VOCAB,
+        hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=num_layers,
+        num_attention_heads=TARGET_HEADS, num_key_value_heads=kv_heads, head_dim=HEAD_DIM,
+        max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
+        torch_dtype="float32", block_size=BLOCK_SIZE, num_target_layers=TARGET_LAYERS,
+        dflash_config=dict(target_layer_ids=list(target_layer_ids), block_size=BLOCK_SIZE,
+                           mask_token_id=MASK_TOKEN_ID),
+    )  # fmt: skip
+
+
+def draft_tensors(config: dict, seed: int, *, zero_final_norm: bool = False) -> Dict[str, torch.Tensor]:
+    """Seeded tensors for every parameter of ``DFlashDraftModel(config)``, HF-named."""
+    g = torch.Generator().manual_seed(seed)
+    H, inter = config["hidden_size"], config["intermediate_size"]
+    nh, kvh, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    k = len(config["dflash_config"]["target_layer_ids"])
+
+    def w(*shape, std=0.2):
+        return torch.randn(*shape, generator=g) * std
+
+    def norm(n):
+        return 1 + w(n, std=0.1)
+
+    out = {"fc.weight": w(H, k * H, std=0.1), "hidden_norm.weight": norm(H),
+           "norm.weight": torch.zeros(H) if zero_final_norm else norm(H)}  # fmt: skip
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        out.update({
+            p + "self_attn.q_proj.weight": w(nh * hd, H), p + "self_attn.k_proj.weight": w(kvh * hd, H),
+            p + "self_attn.v_proj.weight": w(kvh * hd, H), p + "self_attn.o_proj.weight": w(H, nh * hd),
+            p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd),
+            p + "mlp.gate_proj.weight": w(inter, H), p + "mlp.up_proj.weight": w(inter, H),
+            p + "mlp.down_proj.weight": w(H, inter),
+            p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H),
+        })  # fmt: skip
+    return out
+
+
+def write_dflash_draft(path: str, *, kv_heads: int = 2, seed: int = 1,
+                       zero_final_norm: bool = False) -> str:
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    config = draft_config(kv_heads=kv_heads)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    tensors = draft_tensors(config, seed, zero_final_norm=zero_final_norm)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    return path
+
+
+# -- the constructed pair ----------------------------------------------------------------------
+# Target: every layer's output projections are zero, so the residual stream is the token's own
+# embedding; token t embeds as the basis vector e_{t mod 3} and lm_head row j (j < 3) is
+# e_{(j - 1) mod 3}, every other row zero. So the next token after t is (t + 1) mod 3, whatever
+# came before: the output cycles 0 -> 1 -> 2 -> 0.
+# Draft: final norm weight zero, so its hidden states are zero, every logit is zero and the
+# greedy proposal is token 0 (argmax takes the first maximum) at every block position.
+
+CYCLE = 3
+
+
+def write_cycling_target(path: str) -> str:
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    write_llama_target(path)  # config, tokenizer and correctly named tensors
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = LlamaConfig(**json.load(f))
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    embed = torch.zeros(VOCAB, HIDDEN)
+    embed[torch.arange(VOCAB), torch.arange(VOCAB) % CYCLE] = 1.0
+    head = torch.zeros(VOCAB, HIDDEN)
+    for j in range(CYCLE):
+        head[j, (j - 1) % CYCLE] = 1.0
+    for name in list(tensors):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = torch.zeros_like(tensors[name])
+    tensors["model.embed_tokens.weight"] = embed
+    tensors["lm_head.weight"] = head
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    assert cfg.num_hidden_layers == TARGET_LAYERS
+    return path
+
+
+def cycling_output(last_prompt_token: int, n: int) -> List[int]:
+    """The constructed target's greedy output after a prompt ending in ``last_prompt_token``."""
+    out, t = [], last_prompt_token
+    for _ in range(n):
+        t = (t + 1) % CYCLE
+        out.append(t)
+    return out
+
+
+def verify_steps(output: Sequence[int], block_size: int = BLOCK_SIZE) -> List[Tuple[int, int]]:
+    """(draft tokens accepted, tokens committed) per DFLASH verify step on the decode server, by
+    simulating the verify rule on the constructed pair: the first output token comes from the
+    prefill; each step drafts ``block_size - 1`` zeros after the last committed token, accepts
+    the longest prefix the target agrees with, and commits it plus the target's next token
+    (the last step commits only what ``max_new_tokens`` leaves)."""
+    steps, i = [], 1  # output[0] is the prefill's token
+    while i < len(output):
+        accepted = 0
+        prev = output[i - 1]
+        while accepted < block_size - 1 and (prev + 1) % CYCLE == 0:
+            accepted += 1
+            prev = 0
+        commit = min(accepted + 1, len(output) - i)
+        steps.append((accepted, commit))
+        i += commit
+    return steps

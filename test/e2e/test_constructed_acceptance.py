@@ -1,0 +1,116 @@
+"""Acceptance above 1 through a real PP2 DFLASH prefill, with a pair whose behaviour is known.
+
+A random draft is never accepted, so the deployments of ``test_llama_pd_dflash`` can only show
+that acceptance statistics agree. Here the target and the draft are constructed
+(``e2e_models``): the target's greedy output cycles 0 -> 1 -> 2 -> 0 whatever the prompt, and the
+draft proposes token 0 at every block position. On each verify step the draft's first token is
+accepted exactly when the last committed token is 2, so the tokens per verify step, the verify
+count and the acceptance length follow in closed form (``e2e_models.verify_steps``), computed
+here without sglang.
+
+Deployment (c) of the issue with this pair: P = DFLASH PP2 prefill (the plugin) -> Mooncake ->
+D = DFLASH decode -> the real router. Also the GSM8K benchmark client
+(``benchmark/gsm8k/bench_dflash_pd.py``) against it: its acceptance figures come from a real
+DFLASH run and must equal the closed form.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import cpu_servers
+import e2e_models as models
+from conftest import Deployment
+from deployment_args import DECODE_ARGS, prefill_args, server_args
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(cpu_servers.TEST_ROOT)
+BENCH = os.path.join(REPO, "benchmark", "gsm8k", "bench_dflash_pd.py")
+MAX_NEW_TOKENS = 20
+PROMPTS = ["hello world, this is", "x", "The quick brown fox jumps over the lazy dog. " * 3, "ab"]
+
+
+@pytest.fixture(scope="module")
+def pair(e2e_root, stub_root):
+    root = os.path.join(e2e_root, "constructed")
+    target = models.write_cycling_target(os.path.join(root, "target"))
+    draft = models.write_dflash_draft(os.path.join(root, "draft"), zero_final_norm=True)
+    dep = Deployment("constructed pair")
+    boot = cpu_servers.free_port()
+    try:
+        dep.add(cpu_servers.launch_server(
+            "P2", root, target, server_args(draft, *prefill_args(boot), "--pp-size", "2"),
+            stub_root=stub_root, spec=True, pd=True, ranks=2))
+        dep.add(cpu_servers.launch_server(
+            "D", root, target, server_args(draft, *DECODE_ARGS), stub_root=stub_root, spec=True,
+            pd=True))
+        dep.wait()
+        dep.add(cpu_servers.launch_pd_router("router", root, [(dep["P2"].base_url, boot)],
+                                             [dep["D"].base_url]))
+        dep.wait(["router"])
+        yield {"dep": dep, "root": root, "target": target}
+    finally:
+        dep.kill()
+
+
+def _tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_acceptance_length_through_a_pp2_prefill_matches_the_closed_form(pair):
+    tok = _tokenizer(pair["target"])
+    url = pair["dep"]["router"].base_url
+    for prompt in PROMPTS:
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        response = cpu_servers.generate(url, prompt, MAX_NEW_TOKENS)
+        meta = response["meta_info"]
+        expected = models.cycling_output(ids[-1], MAX_NEW_TOKENS)
+        assert response["output_ids"] == expected, prompt
+        steps = models.verify_steps(expected)
+        assert meta["spec_verify_ct"] == len(steps), (prompt, steps)
+        assert meta["spec_num_correct_drafts"] == sum(accepted for accepted, _ in steps)
+        assert meta["spec_accept_length"] == pytest.approx(MAX_NEW_TOKENS / len(steps))
+        assert meta["spec_accept_length"] > 1.3  # every third step accepts one draft token
+
+
+def test_gsm8k_benchmark_reports_real_acceptance_figures(pair, tmp_path):
+    data, train = tmp_path / "test.jsonl", tmp_path / "train.jsonl"
+    questions = [("What is 2 plus 3?", "2+3=5\n#### 5"), ("How many legs do 2 cats have?", "2*4=8\n#### 8"),
+                 ("What is 10 minus 4?", "10-4=6\n#### 6")]
+    for path, rows in ((data, questions), (train, questions[:1])):
+        path.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
+    out = tmp_path / "out"
+    url = pair["dep"]["router"].base_url
+    cmd = [sys.executable, BENCH, "--base-url", url, "--data-path", str(data), "--train-path",
+           str(train), "--num-shots", "1", "--num-questions", "3", "--parallel", "1,2",
+           "--max-new-tokens", str(MAX_NEW_TOKENS), "--output-dir", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tok = _tokenizer(pair["target"])
+    records = [json.loads(line) for line in open(out / "records.jsonl")]
+    summary = json.load(open(out / "summary.json"))
+    assert len(records) == 6 and all(r["ok"] for r in records)
+    for level in ("1", "2"):
+        recs = [r for r in records if r["level"] == int(level)]
+        verify_steps = []
+        for r in recs:
+            ids = tok(r["output"], add_special_tokens=False)["input_ids"]
+            assert len(ids) == r["completion_tokens"] == MAX_NEW_TOKENS
+            assert ids == models.cycling_output((ids[0] - 1) % models.CYCLE, len(ids))
+            steps = models.verify_steps(ids)
+            assert r["meta"]["spec_verify_ct"] == len(steps)
+            verify_steps.append(len(steps))
+        spec = summary["levels"][level]["spec"]
+        weighted = sum(r["completion_tokens"] for r in recs) / sum(verify_steps)
+        per_request = sum(MAX_NEW_TOKENS / v for v in verify_steps) / len(verify_steps)
+        assert spec["accept_length_verify_weighted"] == pytest.approx(weighted)
+        assert spec["accept_length_per_request_mean"] == pytest.approx(per_request)
+        assert spec["requests_with_spec_fields"] == 3 and weighted > 1.3

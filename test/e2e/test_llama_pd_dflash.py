@@ -1,0 +1,201 @@
+"""DFLASH x PP through real servers: tiny fp32 Llama target, tiny fp32 DFlash draft, seeded.
+
+Deployments, each real ``launch_server`` processes, the PD ones behind the real router:
+
+* (a) ``A``: one non-PD DFLASH server (stock, PP1);
+* (b) ``P1 -> D1``: PD, prefill DFLASH PP1 (stock), decode DFLASH;
+* (c) ``P2 -> D1``: PD, prefill DFLASH **PP2** (the plugin: partial projection, last-stage draft,
+  Llama capture on every stage, layer-id pairing of the MHA transfer entries), the same decode.
+
+The same prompts go through all three, one at a time and then all at once: a short prompt, one
+longer than ``--chunked-prefill-size`` (the PP path runs chunked, several micro-batches in
+flight), the short prompt again (a radix prefix hit on the prefill) and two more. Asserted:
+greedy tokens (c) == (b) == (a); D's draft KV rows of every request after the transfer, read by
+the test-only decode hook (``cpu_support/draft_kv_readout``), equal between (b) and (c) within
+the fp32 bound derived in :func:`draft_kv_tolerance`; the acceptance statistics the decode reports
+are identical between (b) and (c); and the PP2 prefill's two stages entered the same sequence of
+collectives (the startup deadlock the last stage's draft build had, and any other of its kind).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+import cpu_servers
+import e2e_models as models
+from conftest import Deployment
+from deployment_args import CHUNK, DECODE_ARGS, prefill_args, server_args
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW_TOKENS = 24
+PROMPTS = [
+    "hello world, this is",
+    "The quick brown fox jumps over the lazy dog. " * 4,  # 180 tokens: three chunks of 64
+    "hello world, this is",  # the same prompt again: a radix prefix hit on the prefill
+    "Numbers: 1 2 3 4 5 6 7 8 9 10",
+    "a",
+]
+SPEC_FIELDS = (
+    "spec_verify_ct",
+    "spec_accept_length",
+    "spec_accept_rate",
+    "spec_num_proposed_drafts",
+    "spec_num_correct_drafts",
+    "spec_correct_drafts_histogram",
+)
+
+
+@pytest.fixture(scope="module")
+def llama(e2e_root, stub_root):
+    root = os.path.join(e2e_root, "llama")
+    return {
+        "root": root,
+        "target": models.write_llama_target(os.path.join(root, "target")),
+        "draft": models.write_dflash_draft(os.path.join(root, "draft")),
+        "dump": os.path.join(root, "decode_draft_kv"),
+        "collectives": os.path.join(root, "p2_collectives"),
+        "stub": stub_root,
+    }
+
+
+@pytest.fixture(scope="module")
+def deployments(llama):
+    m, root = llama, llama["root"]
+    dep = Deployment("llama")
+    launch = lambda name, args, **kw: dep.add(  # noqa: E731
+        cpu_servers.launch_server(name, root, m["target"], args, stub_root=m["stub"], spec=True, **kw)
+    )
+    boot1, boot2 = cpu_servers.free_port(), cpu_servers.free_port()
+    try:
+        launch("A", server_args(m["draft"]))
+        launch("P1", server_args(m["draft"], *prefill_args(boot1)), pd=True)
+        launch("P2", server_args(m["draft"], *prefill_args(boot2), "--pp-size", "2"), pd=True,
+               ranks=2, env={"SGLANG_DFLASH_PP_TEST_COLLECTIVE_LOG": m["collectives"]})
+        launch("D1", server_args(m["draft"], *DECODE_ARGS), pd=True,
+               env={"SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": m["dump"]})
+        dep.wait()
+        for name, (p, boot) in (("router-b", ("P1", boot1)), ("router-c", ("P2", boot2))):
+            dep.add(cpu_servers.launch_pd_router(name, root, [(dep[p].base_url, boot)],
+                                                 [dep["D1"].base_url]))
+        dep.wait(["router-b", "router-c"])
+        yield dep
+    finally:
+        dep.kill()
+
+
+def _run_round(base_url: str, tag: str, parallel: bool) -> list:
+    def one(i):
+        return cpu_servers.generate(base_url, PROMPTS[i], MAX_NEW_TOKENS, rid=f"{tag}-{i}")
+
+    if not parallel:
+        return [one(i) for i in range(len(PROMPTS))]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(one, range(len(PROMPTS))))
+
+
+@pytest.fixture(scope="module")
+def outputs(deployments):
+    """Every deployment's responses: a sequential round, then the same prompts all at once."""
+    urls = {"a": deployments["A"].base_url, "b": deployments["router-b"].base_url,
+            "c": deployments["router-c"].base_url}
+    out = {}
+    for key, url in urls.items():
+        out[key] = {
+            "sequential": _run_round(url, f"{key}-seq", parallel=False),
+            "parallel": _run_round(url, f"{key}-par", parallel=True),
+        }
+    return out
+
+
+def test_pp2_prefill_tokens_equal_pp1_prefill_and_non_pd(outputs):
+    for round_ in ("sequential", "parallel"):
+        a, b, c = (
+            [r["output_ids"] for r in outputs[k][round_]] for k in ("a", "b", "c")
+        )
+        assert all(len(ids) == MAX_NEW_TOKENS for ids in a)
+        assert b == a, round_
+        assert c == b, round_
+    # the long prompt was prefilled in chunks, and the repeated prompt hit the radix cache
+    seq_c = outputs["c"]["sequential"]
+    assert seq_c[1]["meta_info"]["prompt_tokens"] > 2 * CHUNK
+    assert seq_c[2]["meta_info"]["cached_tokens"] > 0
+
+
+def test_acceptance_statistics_equal_between_pp1_and_pp2_prefill(outputs):
+    for round_ in ("sequential", "parallel"):
+        for rb, rc in zip(outputs["b"][round_], outputs["c"][round_]):
+            mb, mc = rb["meta_info"], rc["meta_info"]
+            assert {f: mb[f] for f in SPEC_FIELDS} == {f: mc[f] for f in SPEC_FIELDS}
+            # a real DFLASH decode: one verify step per committed token after the first
+            assert mc["spec_verify_ct"] >= 1 and mc["spec_num_proposed_drafts"] > 0
+
+
+def _dumps(llama, prefix: str) -> dict:
+    out = {}
+    for path in glob.glob(os.path.join(llama["dump"], f"tp0-{prefix}-*.pt")):
+        record = torch.load(path)
+        out[record["rid"]] = record
+    return out
+
+
+def draft_kv_tolerance(reference: torch.Tensor) -> float:
+    """The largest |difference| accepted between D's draft K (or V) after a PP1 and a PP2
+    prefill, for fp32 models.
+
+    The two prefills differ only in how the context projection ``C = sum_j h_j W_j^T`` is
+    summed: one GEMM of ``n = K*H = 192`` terms on PP1, partial sums across stages on PP2
+    (everything after it, the hidden norm, the K/V projection, K-norm and RoPE, is the same code
+    on the same kind of input). Rounding errors of an n-term fp32 sum grow like ``sqrt(n) * u``
+    (``u = 2^-24``) times ``sum|h_i w_i|``; the two orders differ by at most twice that. For
+    these zero-mean random weights ``sum|h_i w_i|`` is about ``sqrt(n)`` times ``|C|`` (the
+    cancellation of n random terms); the hidden RMSNorm and the per-head K RMSNorm each at most
+    double a relative error, and the V projection does not amplify it. Relative to the largest
+    element: ``2 * sqrt(n) * u * sqrt(n) * 4 = 8 * n * u``, about 9.2e-5 (seen: 4.5e-7). A wrong
+    head, token or layer gives an O(1) relative difference.
+    """
+    n = len(models.TARGET_LAYER_IDS) * models.HIDDEN
+    return 8 * n * 2.0**-24 * float(reference.abs().max())
+
+
+def test_decode_draft_kv_after_pp2_prefill_equals_pp1_prefill(llama, outputs):
+    b, c = _dumps(llama, "b"), _dumps(llama, "c")
+    for round_, tag in (("sequential", "seq"), ("parallel", "par")):
+        for i, prompt in enumerate(PROMPTS):
+            rb, rc = b[f"b-{tag}-{i}"], c[f"c-{tag}-{i}"]
+            n_prompt = outputs["c"][round_][i]["meta_info"]["prompt_tokens"]
+            assert rb["input_ids"] == rc["input_ids"] and len(rc["input_ids"]) == n_prompt
+            for kind in ("k", "v"):
+                ref, got = rb[kind].float(), rc[kind].float()
+                assert ref.shape == got.shape == (2, n_prompt, 2, models.HEAD_DIM)
+                assert float(ref.abs().mean()) > 1e-2  # real KV, not an empty pool
+                diff = float((got - ref).abs().max())
+                assert diff <= draft_kv_tolerance(ref), (round_, i, kind, diff)
+
+
+def test_pp2_prefill_stages_enter_the_same_collectives(llama, outputs):
+    """Every collective of a group is entered by all of its members, in the same order. The
+    last stage building its draft alone used to wait in a WORLD broadcast that the first stage
+    never entered (it was in the WORLD all-reduce of KV-cache sizing): the server hung at startup.
+    Startup is bounded (``STARTUP_TIMEOUT_S``); this also catches a divergence that happens not
+    to hang."""
+    logs = {}
+    for path in glob.glob(os.path.join(llama["collectives"], "rank*-*.jsonl")):
+        rank = int(os.path.basename(path)[4:].split("-")[0])
+        with open(path) as f:
+            logs[rank] = [json.loads(line) for line in f]
+    assert sorted(logs) == [0, 1], sorted(logs)
+    groups = {tuple(r["group"]) for recs in logs.values() for r in recs if r["group"]}
+    assert (0, 1) in groups  # the WORLD group of the two PP stages was used
+    for group in groups:
+        seqs = {rank: [r["op"] for r in logs[rank] if tuple(r["group"] or ()) == group]
+                for rank in group}
+        first = seqs[group[0]]
+        for rank, seq in seqs.items():
+            assert seq == first, (group, rank, seq, first)
