@@ -1,4 +1,6 @@
-"""Launch arguments shared by the end-to-end deployments (fp32, small pools, chunked prefill)."""
+"""Launch arguments shared by the end-to-end deployments: fp32, small pools, chunked prefill, and
+``--sleep-on-idle`` (an idle scheduler otherwise busy-polls a core, and several deployments share
+this box's two cores)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ def server_args(draft: str, *extra: str) -> list:
     return [
         "--dtype", "float32", "--max-total-tokens", "4096", "--max-running-requests", "4",
         "--chunked-prefill-size", str(CHUNK), "--speculative-algorithm", "DFLASH",
-        "--speculative-draft-model-path", draft, *extra,
+        "--speculative-draft-model-path", draft, "--sleep-on-idle", *extra,
     ]  # fmt: skip
 
 

@@ -56,13 +56,14 @@ def write_llama_target(path: str, *, kv_heads: int = 2, seed: int = 0, std: floa
 
 
 def draft_config(*, kv_heads: int = 2, num_layers: int = 2,
-                 target_layer_ids: Sequence[int] = TARGET_LAYER_IDS) -> dict:
+                 target_layer_ids: Sequence[int] = TARGET_LAYER_IDS, hidden: int = HIDDEN,
+                 num_target_layers: int = TARGET_LAYERS, dtype: str = "float32") -> dict:
     return dict(
         architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=VOCAB,
-        hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=num_layers,
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
         num_attention_heads=TARGET_HEADS, num_key_value_heads=kv_heads, head_dim=HEAD_DIM,
         max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
-        torch_dtype="float32", block_size=BLOCK_SIZE, num_target_layers=TARGET_LAYERS,
+        torch_dtype=dtype, block_size=BLOCK_SIZE, num_target_layers=num_target_layers,
         dflash_config=dict(target_layer_ids=list(target_layer_ids), block_size=BLOCK_SIZE,
                            mask_token_id=MASK_TOKEN_ID),
     )  # fmt: skip
@@ -97,16 +98,48 @@ def draft_tensors(config: dict, seed: int, *, zero_final_norm: bool = False) -> 
 
 
 def write_dflash_draft(path: str, *, kv_heads: int = 2, seed: int = 1,
-                       zero_final_norm: bool = False) -> str:
+                       zero_final_norm: bool = False, **config_kw) -> str:
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    config = draft_config(kv_heads=kv_heads)
+    config = draft_config(kv_heads=kv_heads, **config_kw)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     tensors = draft_tensors(config, seed, zero_final_norm=zero_final_norm)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    dtype = getattr(torch, config["torch_dtype"])
+    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()},
+              os.path.join(path, "model.safetensors"))
     return path
+
+
+# -- Kimi-K3 -------------------------------------------------------------------------------------
+# A tiny text-only KimiK3LinearForCausalLM: 4 layers, KDA at layers 0 and 2, MLA at 1 and 3
+# (1-based 1,3 / 2,4 in linear_attn_config), MoE from layer 1. kv_lora_rank 256 + rope 32 makes
+# the MLA key width 288, one the Triton MLA decode kernel special-cases (cpu-servers.md section
+# 3). No weights on disk: the servers load --load-format dummy, seeded per parameter name by the
+# test support (cpu_support patch 9). The draft captures layers 0, 2 and 3 (the final layer is
+# read at the final norm): under PP2 ([0, 2), [2, 4)) stage 0 owns feature 0, stage 1 the rest.
+
+K3_HIDDEN = 128
+K3_LAYERS = 4
+K3_TARGET_LAYER_IDS = (0, 2, 3)
+
+
+def write_kimi_k3_target(path: str) -> str:
+    import tiny_models
+
+    config = tiny_models.kimi_k3_text_config(K3_LAYERS)
+    config.update(kv_lora_rank=256, qk_rope_head_dim=32, vocab_size=VOCAB)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    _byte_tokenizer(path)
+    return path
+
+
+def write_kimi_k3_draft(path: str) -> str:
+    return write_dflash_draft(path, hidden=K3_HIDDEN, num_target_layers=K3_LAYERS,
+                              target_layer_ids=K3_TARGET_LAYER_IDS, dtype="bfloat16")
 
 
 # -- the constructed pair ----------------------------------------------------------------------

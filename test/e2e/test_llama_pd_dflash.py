@@ -5,7 +5,10 @@ Deployments, each real ``launch_server`` processes, the PD ones behind the real 
 * (a) ``A``: one non-PD DFLASH server (stock, PP1);
 * (b) ``P1 -> D1``: PD, prefill DFLASH PP1 (stock), decode DFLASH;
 * (c) ``P2 -> D1``: PD, prefill DFLASH **PP2** (the plugin: partial projection, last-stage draft,
-  Llama capture on every stage, layer-id pairing of the MHA transfer entries), the same decode.
+  Llama capture on every stage, layer-id pairing of the MHA transfer entries), the same decode;
+* (d) ``P2 -> D2``: the same PP2 prefill into a decode at attention **TP2**. The draft has 2 KV
+  heads and the target 4: P holds 2 draft heads per rank, each D2 rank 1, so the draft KV goes
+  head-aware (packed on P, one descriptor per page run) while sglang slices the target heads.
 
 The same prompts go through all three, one at a time and then all at once: a short prompt, one
 longer than ``--chunked-prefill-size`` (the PP path runs chunked, several micro-batches in
@@ -13,8 +16,10 @@ flight), the short prompt again (a radix prefix hit on the prefill) and two more
 greedy tokens (c) == (b) == (a); D's draft KV rows of every request after the transfer, read by
 the test-only decode hook (``cpu_support/draft_kv_readout``), equal between (b) and (c) within
 the fp32 bound derived in :func:`draft_kv_tolerance`; the acceptance statistics the decode reports
-are identical between (b) and (c); and the PP2 prefill's two stages entered the same sequence of
-collectives (the startup deadlock the last stage's draft build had, and any other of its kind).
+are identical between (b) and (c); D2's two ranks' draft KV, side by side, is byte-equal to D1's
+for the same prefill computation, and (d)'s tokens equal (c)'s; and the PP2 prefill's two stages
+entered the same sequence of collectives (the startup deadlock the last stage's draft build had,
+and any other of its kind).
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ def llama(e2e_root, stub_root):
     root = os.path.join(e2e_root, "llama")
     return {
         "root": root,
-        "target": models.write_llama_target(os.path.join(root, "target")),
+        # 4 target KV heads, 2 draft KV heads: at TP2 a decode rank holds 2 and 1.
+        "target": models.write_llama_target(os.path.join(root, "target"), kv_heads=4),
         "draft": models.write_dflash_draft(os.path.join(root, "draft")),
         "dump": os.path.join(root, "decode_draft_kv"),
         "collectives": os.path.join(root, "p2_collectives"),
@@ -80,11 +86,15 @@ def deployments(llama):
                ranks=2, env={"SGLANG_DFLASH_PP_TEST_COLLECTIVE_LOG": m["collectives"]})
         launch("D1", server_args(m["draft"], *DECODE_ARGS), pd=True,
                env={"SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": m["dump"]})
+        launch("D2", server_args(m["draft"], *DECODE_ARGS, "--tp-size", "2"), pd=True, ranks=2,
+               env={"SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": m["dump"]})
         dep.wait()
-        for name, (p, boot) in (("router-b", ("P1", boot1)), ("router-c", ("P2", boot2))):
+        routes = {"router-b": ("P1", boot1, "D1"), "router-c": ("P2", boot2, "D1"),
+                  "router-d": ("P2", boot2, "D2")}
+        for name, (p, boot, d) in routes.items():
             dep.add(cpu_servers.launch_pd_router(name, root, [(dep[p].base_url, boot)],
-                                                 [dep["D1"].base_url]))
-        dep.wait(["router-b", "router-c"])
+                                                 [dep[d].base_url]))
+        dep.wait(list(routes))
         yield dep
     finally:
         dep.kill()
@@ -100,9 +110,18 @@ def _run_round(base_url: str, tag: str, parallel: bool) -> list:
         return list(pool.map(one, range(len(PROMPTS))))
 
 
+def _flush(server) -> None:
+    import requests
+
+    r = requests.post(server.base_url + "/flush_cache", timeout=60)
+    assert r.status_code == 200, r.text
+
+
 @pytest.fixture(scope="module")
 def outputs(deployments):
-    """Every deployment's responses: a sequential round, then the same prompts all at once."""
+    """Every deployment's responses: a sequential round, then the same prompts all at once.
+    (d) runs its sequential round on P2 with a flushed cache, like (c)'s first round, so P2
+    computes the same draft KV bytes for both decodes."""
     urls = {"a": deployments["A"].base_url, "b": deployments["router-b"].base_url,
             "c": deployments["router-c"].base_url}
     out = {}
@@ -111,6 +130,8 @@ def outputs(deployments):
             "sequential": _run_round(url, f"{key}-seq", parallel=False),
             "parallel": _run_round(url, f"{key}-par", parallel=True),
         }
+    _flush(deployments["P2"])
+    out["d"] = {"sequential": _run_round(deployments["router-d"].base_url, "d-seq", parallel=False)}
     return out
 
 
@@ -137,9 +158,9 @@ def test_acceptance_statistics_equal_between_pp1_and_pp2_prefill(outputs):
             assert mc["spec_verify_ct"] >= 1 and mc["spec_num_proposed_drafts"] > 0
 
 
-def _dumps(llama, prefix: str) -> dict:
+def _dumps(llama, prefix: str, tp_rank: int = 0) -> dict:
     out = {}
-    for path in glob.glob(os.path.join(llama["dump"], f"tp0-{prefix}-*.pt")):
+    for path in glob.glob(os.path.join(llama["dump"], f"tp{tp_rank}-{prefix}-*.pt")):
         record = torch.load(path)
         out[record["rid"]] = record
     return out
@@ -177,6 +198,23 @@ def test_decode_draft_kv_after_pp2_prefill_equals_pp1_prefill(llama, outputs):
                 assert float(ref.abs().mean()) > 1e-2  # real KV, not an empty pool
                 diff = float((got - ref).abs().max())
                 assert diff <= draft_kv_tolerance(ref), (round_, i, kind, diff)
+
+
+def test_decode_at_tp2_receives_exactly_its_draft_heads(llama, outputs):
+    """P2 holds both draft KV heads on its one rank; each D2 rank holds one. Side by side, the
+    two ranks' draft KV must be D1's bytes for the same prefill computation: each head once, in
+    its own rank, nothing shifted, nothing missing (byte equality, not a tolerance)."""
+    assert [r["output_ids"] for r in outputs["d"]["sequential"]] == [
+        r["output_ids"] for r in outputs["c"]["sequential"]
+    ]
+    c = _dumps(llama, "c")
+    d0, d1 = _dumps(llama, "d", tp_rank=0), _dumps(llama, "d", tp_rank=1)
+    for i in range(len(PROMPTS)):
+        whole, halves = c[f"c-seq-{i}"], (d0[f"d-seq-{i}"], d1[f"d-seq-{i}"])
+        for kind in ("k", "v"):
+            assert all(h[kind].shape[2] == 1 for h in halves)
+            side_by_side = torch.cat([h[kind] for h in halves], dim=2)
+            assert torch.equal(side_by_side, whole[kind]), (i, kind)
 
 
 def test_pp2_prefill_stages_enter_the_same_collectives(llama, outputs):

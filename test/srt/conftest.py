@@ -88,77 +88,37 @@ def single_process_dist(sglang_with_plugin):
 
 
 class CpuSglangServer:
-    """A real ``python -m sglang.launch_server`` on this CPU box (cpu-harness.md item 5): tiny
-    random Llama, byte-level tokenizer, stub ``vllm`` on PYTHONPATH. Started on demand; the
-    whole process tree (launcher, scheduler, detokenizer) is killed on every exit path."""
+    """A real ``python -m sglang.launch_server`` on this CPU box (``test/cpu_servers.py``): tiny
+    random bf16 Llama, byte-level tokenizer, no speculative decoding. Started on demand and
+    restarted if a test killed it on purpose."""
 
     STARTUP_TIMEOUT_S = 300
 
     def __init__(self, root):
+        import cpu_servers
         import tiny_models as tm
 
         self.root = str(root)
         self.model_dir = tm.write_tiny_llama_with_weights(os.path.join(self.root, "llama"))
-        self.stub_dir = tm.write_vllm_stub(os.path.join(self.root, "stub"))
-        self.proc = None
-        self.port = None
-        self.log_path = None
+        self.stub_dir = cpu_servers.write_vllm_stub(os.path.join(self.root, "stub"))
+        self.server = None
         self.starts = 0
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.server.base_url
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.server is not None and self.server.alive()
 
     def start(self) -> None:
-        import socket
-        import subprocess
-        import sys
-        import time
+        import cpu_servers
 
-        import requests
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
         self.starts += 1
-        self.log_path = os.path.join(self.root, f"server-{self.starts}.log")
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.stub_dir, env.get("PYTHONPATH")]))
-        env.pop("SGLANG_USE_CPU_ENGINE", None)  # cpu-harness.md: must stay unset
-        cmd = [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", self.model_dir,
-            "--device", "cpu",
-            "--max-total-tokens", "2048",
-            "--max-running-requests", "4",
-            "--host", "127.0.0.1",
-            "--port", str(self.port),
-        ]  # fmt: skip
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        deadline = time.monotonic() + self.STARTUP_TIMEOUT_S
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"sglang server exited with {self.proc.returncode}")
-                try:
-                    if requests.get(self.base_url + "/health", timeout=2).status_code == 200:
-                        return
-                except requests.RequestException:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"sglang server not healthy after {self.STARTUP_TIMEOUT_S} s")
-                time.sleep(1)
-        except BaseException as e:
-            self.kill()
-            with open(self.log_path) as f:
-                tail = f.read()[-4000:]
-            raise RuntimeError(f"{e}; log tail:\n{tail}") from None
+        args = ["--max-total-tokens", "2048", "--max-running-requests", "4", "--sleep-on-idle"]
+        self.server = cpu_servers.launch_server(
+            f"server-{self.starts}", self.root, self.model_dir, args, stub_root=self.stub_dir
+        ).wait_ready(self.STARTUP_TIMEOUT_S)
 
     def ensure_running(self) -> "CpuSglangServer":
         if not self.alive():
@@ -166,30 +126,10 @@ class CpuSglangServer:
             self.start()
         return self
 
-    def kill(self, sig=None) -> None:
-        """Signal the launcher and every descendant by pid (SIGKILL by default), then reap."""
-        import signal
-
-        import psutil
-
-        if self.proc is None:
-            return
-        sig = signal.SIGKILL if sig is None else sig
-        try:
-            parent = psutil.Process(self.proc.pid)
-            family = parent.children(recursive=True) + [parent]
-        except psutil.NoSuchProcess:
-            family = []
-        for p in family:
-            try:
-                p.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(family, timeout=30)
-        try:
-            self.proc.wait(timeout=30)
-        except Exception:
-            pass
+    def kill(self) -> None:
+        """SIGKILL the launcher and every descendant, then reap."""
+        if self.server is not None:
+            self.server.kill()
 
 
 @pytest.fixture(scope="session")

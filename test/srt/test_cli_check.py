@@ -258,3 +258,28 @@ def test_example_prefill_arguments_are_the_recipes():
             i += 1
         i += 1
     assert ex.decode_tp_size == 32
+
+
+def test_dense_target_classes_are_planned_with_their_capture_points(capsys, model_dirs):
+    """A Llama target (hooked by models/pp_capture): accepted, every stage owning the features
+    captured at the input of layer L+1; a class we do not hook is refused by name."""
+    code, r = _main_json(capsys, [
+        "check", "--model-path", model_dirs["target"], "--draft-model-path",
+        model_dirs["draft_dense"], "--tp-size", "1", "--pp-size", "2", "--decode-tp-size", "1",
+        "--json",
+    ])  # fmt: skip
+    assert code == 0 and r["accepted"], r["refusals"]
+    assert r["capture_convention"]["target_class"] == "LlamaForCausalLM"
+    # ids 1, 3, 5 of 8 layers: captured at layers 2, 4, 6 -> stage [0,4) owns 1; [4,8) owns 3, 5
+    assert [s["captured_layers"] for s in r["stages"]] == [[1], [3, 5]]
+    classes = r["accepted_target_classes"]
+    assert {"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
+            "KimiK3LinearForCausalLM", "KimiK3ForConditionalGeneration"} == set(classes)
+    code, r = _main_json(capsys, [
+        "check", "--model-path", model_dirs["qwen2_target"], "--draft-model-path",
+        model_dirs["draft_dense"], "--tp-size", "1", "--pp-size", "2", "--decode-tp-size", "1",
+        "--json",
+    ])  # fmt: skip
+    assert code == EXIT_REFUSED
+    messages = " ".join(x["message"] for x in r["refusals"])
+    assert "Qwen2ForCausalLM" in messages and "LlamaForCausalLM" in messages

@@ -3,9 +3,10 @@ with a tiny random Llama, cpu-harness.md item 5): every request answered, every 
 from the real responses, every output written; the OpenAI-compatible APIs; the baseline
 comparison; and a server killed mid-run giving counted failures and a non-zero exit.
 
-The server is not speculative (DFLASH cannot run on CPU), so these tests also prove that the
-speculative metrics are reported as "n/a" rather than invented. The acceptance definitions are
-checked on fixed inputs in test_gsm8k_metrics.py.
+This server is not speculative, so these tests also prove that the speculative metrics are
+reported as "n/a" rather than invented. The acceptance figures of a real DFLASH run (through a
+PP2 prefill, checked against a closed form) are in test/e2e/test_constructed_acceptance.py; the
+acceptance definitions on fixed inputs in test_gsm8k_metrics.py.
 """
 
 from __future__ import annotations

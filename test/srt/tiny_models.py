@@ -126,7 +126,7 @@ def write_model_dir(path: str, config: dict) -> str:
     return _write_config(path, config)
 
 
-# --- Real CPU server helpers (cpu-harness.md item 5): weights, tokenizer, vllm stub. ---
+# --- Real CPU server helpers (cpu-harness.md item 5): weights and tokenizer. ---
 
 BYTE_TOKENIZER_SPECIALS = ("<s>", "</s>", "<unk>", "<pad>", "<|mask|>")  # ids 256..260
 BYTE_TOKENIZER_VOCAB = 512
@@ -190,21 +190,6 @@ def write_tiny_llama_with_weights(path: str, seed: int = 0) -> str:
     model.save_pretrained(path)
     write_byte_tokenizer(path)
     return path
-
-
-def write_vllm_stub(root: str) -> str:
-    """A stub ``vllm`` package for ``PYTHONPATH`` (cpu-harness.md items 3 and 5): RoPE binds
-    ``vllm._custom_ops.rotary_embedding`` at construction but never calls it on CPU."""
-    pkg = os.path.join(root, "vllm")
-    os.makedirs(pkg, exist_ok=True)
-    with open(os.path.join(pkg, "__init__.py"), "w") as f:
-        f.write('"""Test stub: lets sglang construct RoPE on a CPU-only box."""\n')
-    with open(os.path.join(pkg, "_custom_ops.py"), "w") as f:
-        f.write(
-            "def rotary_embedding(*args, **kwargs):\n"
-            "    raise RuntimeError('vllm stub: rotary_embedding is never called on CPU')\n"
-        )
-    return root
 
 
 def kimi_k3_dflash_draft_config(

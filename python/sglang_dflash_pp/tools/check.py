@@ -129,6 +129,11 @@ def _check(inputs: CheckInputs, dirs: ConfigDirs) -> dict:
 
 
 def _finish(out: dict, refusals: Refusals) -> dict:
+    from sglang_dflash_pp.srt.models.capture_ownership import PP_CAPTURE_TARGETS
+
+    out["accepted_target_classes"] = {
+        arch: convention.name for arch, convention in sorted(PP_CAPTURE_TARGETS.items())
+    }
     out["refusals"] = refusals.items
     out["accepted"] = not refusals.items
     return out

@@ -28,6 +28,12 @@ def render(rep: dict) -> str:
         out += _draft_kv(rep["draft_kv"])
     for note in rep.get("notes", []):
         out.append(f"note: {note}")
+    classes = rep.get("accepted_target_classes") or {}
+    if classes:
+        out.append("")
+        out.append("Target classes accepted for DFLASH with --pp-size > 1 (capture points):")
+        for arch, rule in classes.items():
+            out.append(f"  {arch}: {rule}")
     out.append("")
     if rep["accepted"]:
         out.append("Refusals: none. Startup would accept this deployment.")

@@ -27,11 +27,12 @@ logger = logging.getLogger(__name__)
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_dflash_pp_cpu_support import collective_trace
+    from sglang_dflash_pp_cpu_support import collective_trace, interpreter
     from sglang_dflash_pp_cpu_support.patches import PATCHES, install_process_patches
 
     install_process_patches()
     collective_trace.install()
+    interpreter.install()
     for patch in PATCHES:
         HookRegistry.register(patch.target, patch.hook, HookType(patch.hook_type))
     logger.info("sglang-dflash-pp CPU test support: %d hooks registered", len(PATCHES))

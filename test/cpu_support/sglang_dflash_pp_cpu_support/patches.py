@@ -125,7 +125,7 @@ def assign_req_to_token_pool_torch(original, req_pool_indices, req_to_token, sta
 
 def assign_extend_cache_locs_torch(original, req_pool_indices, req_to_token, start_offset,
                                    end_offset, batch_size, draft_token_num, device, *args, **kwargs):
-    if req_to_token.is_cuda or _interpreting():
+    if req_to_token.is_cuda:  # the stock CPU answer is None, interpreter or not
         return original(req_pool_indices, req_to_token, start_offset, end_offset,
                         batch_size, draft_token_num, device, *args, **kwargs)
     rows = [
@@ -197,6 +197,89 @@ def mooncake_sender_host_indices_off_on_cpu(original, self, *args, **kwargs):
     return out
 
 
+# -- 8. distributed/parallel_state.GroupCoordinator.all_gather_into_tensor / reduce_scatter_tensor --
+# Their CPU branch (a plain torch.distributed collective over the gloo group) is chosen by
+# ``_is_cpu``, frozen at import from SGLANG_USE_CPU_ENGINE, which must stay unset here; CPU tensors
+# otherwise go to sglang custom ops registered for CUDA only. We take the stock CPU branch for CPU
+# tensors (a TP2 decode's vocab-parallel greedy head gathers through it).
+
+
+def all_gather_into_tensor_cpu(original, self, output, input, *args, **kwargs):
+    if input.is_cuda:
+        return original(self, output, input, *args, **kwargs)
+    return self._all_gather_into_tensor(output, input)
+
+
+def reduce_scatter_tensor_cpu(original, self, output, input, *args, **kwargs):
+    if input.is_cuda:
+        return original(self, output, input, *args, **kwargs)
+    return self._reduce_scatter_tensor(output, input)
+
+
+# -- 9. model_loader/weight_utils.initialize_dummy_weights: seeded weights for --load-format dummy --
+# Not a CPU gap: stock dummy weights are uniform(+-1e-3) from one seed, so every parameter of a
+# shape holds the same values and a forward's activations all but vanish: nothing for two
+# deployments to disagree on. With SGLANG_DFLASH_PP_TEST_SEEDED_WEIGHTS=1 every floating
+# parameter is drawn instead from a generator seeded by its (global) name: norm-like 1-D weights
+# 1 + 0.1 N(0,1), everything else 0.1 N(0,1). Names carry global layer ids, so every PP stage,
+# and the prefill and decode servers, hold the same weights for the same layer.
+
+SEEDED_WEIGHTS_ENV = "SGLANG_DFLASH_PP_TEST_SEEDED_WEIGHTS"
+
+
+def seeded_dummy_weights(original, model, *args, **kwargs):
+    import zlib
+
+    if os.environ.get(SEEDED_WEIGHTS_ENV) != "1":
+        return original(model, *args, **kwargs)
+    with torch.no_grad():
+        for name, param in model.state_dict().items():
+            if not torch.is_floating_point(param):
+                continue
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            r = torch.randn(param.shape, generator=g, dtype=torch.float32)
+            value = 1 + 0.1 * r if (param.ndim == 1 and "norm" in name) else 0.1 * r
+            param.copy_(value.to(param.dtype))
+    return None
+
+
+# -- 10. kernels/ops/mamba/mamba_state_scatter_triton.scatter_mamba_states_after_mtp_verify --------
+# After a DFLASH verify on a hybrid target (Kimi-K3's KDA layers) the accepted step's recurrent
+# and conv states are scattered into the state cache by Triton kernels that refuse non-CUDA/XPU
+# tensors. The same contract in torch, from the kernels' docstrings: for every request i whose
+# step s_i >= 0, ``dst[:, dst_index[i]] = src[:, src_row[i], s_i]`` (src_row = i unless given),
+# for the SSM states and each conv window, with the state slots and then the track slots.
+
+
+def _scatter_steps(dst, src, dst_indices, steps, src_indices):
+    valid = (steps >= 0).nonzero().flatten()
+    if valid.numel() == 0:
+        return
+    rows = valid if src_indices is None else src_indices[valid]
+    dst[:, dst_indices[valid].long()] = src[:, rows.long(), steps[valid].long()].to(dst.dtype)
+
+
+def scatter_mamba_states_torch(original, mamba_caches, state_indices_tensor,
+                               last_correct_step_indices, mamba_track_indices,
+                               mamba_steps_to_track, src_indices_raw=None, *args, **kwargs):
+    if mamba_caches.temporal.is_cuda:
+        return original(mamba_caches, state_indices_tensor, last_correct_step_indices,
+                        mamba_track_indices, mamba_steps_to_track, src_indices_raw,
+                        *args, **kwargs)
+    slots = [(state_indices_tensor, last_correct_step_indices)]
+    if mamba_track_indices is not None:
+        slots.append((mamba_track_indices, mamba_steps_to_track))
+    pairs = [(mamba_caches.temporal, mamba_caches.intermediate_ssm)] + list(
+        zip(mamba_caches.conv, mamba_caches.intermediate_conv_window)
+    )
+    for dst, src in pairs:
+        if dst.numel() == 0:
+            continue
+        for indices, steps in slots:
+            _scatter_steps(dst, src, indices, steps, src_indices_raw)
+    return None
+
+
 def _commit_then_dump(original, self, decode_req, *args, **kwargs):
     from sglang_dflash_pp_cpu_support.draft_kv_readout import commit_then_dump
 
@@ -220,6 +303,14 @@ PATCHES = (
           mooncake_sender_host_indices_off_on_cpu, "around", "plain host page indices on CPU"),
     Patch("sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs",
           input_embeds_in_model_dtype, "around", "input embeds in the model's dtype"),
+    Patch("sglang.srt.distributed.parallel_state.GroupCoordinator.all_gather_into_tensor",
+          all_gather_into_tensor_cpu, "around", "gloo all-gather for CPU tensors"),
+    Patch("sglang.srt.distributed.parallel_state.GroupCoordinator.reduce_scatter_tensor",
+          reduce_scatter_tensor_cpu, "around", "gloo reduce-scatter for CPU tensors"),
+    Patch("sglang.srt.model_loader.weight_utils.initialize_dummy_weights",
+          seeded_dummy_weights, "around", "per-name seeded weights for --load-format dummy"),
+    Patch("sglang.kernels.ops.mamba.mamba_state_scatter_triton.scatter_mamba_states_after_mtp_verify",
+          scatter_mamba_states_torch, "around", "torch state scatter after verify on CPU"),
     Patch("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
           _commit_then_dump, "around", "test readout of the decode's transferred draft KV"),
 )

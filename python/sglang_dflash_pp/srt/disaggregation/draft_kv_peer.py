@@ -14,6 +14,13 @@ What is checked, with the entry pairing sglang's send path will use:
 
 A peer that sglang's own path already serves exactly gets :attr:`PeerAction.STOCK`, so the send
 hook calls the untouched original for it.
+
+Two target paths exist (:class:`TargetPath`): sglang's whole-page copy (``send_kvcache``: MLA and
+hybrid-MLA targets, and any target at equal attention TP), where the target entries must have
+the same item length on both sides; and its head-sliced copy for a plain-MHA target whose
+attention TP differs (``send_kvcache_slice``), which slices every entry with the *target's* head
+count, right for the target and wrong for a draft with other heads. On that path the target
+entries keep sglang's slicing and the draft entries always follow our plan.
 """
 
 from __future__ import annotations
@@ -33,6 +40,11 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
     Regime,
     plan_pair,
 )
+
+
+class TargetPath(enum.Enum):
+    WHOLE_PAGES = "whole pages (send_kvcache)"
+    HEAD_SLICED = "head sliced (send_kvcache_slice)"
 
 
 class PeerAction(enum.Enum):
@@ -108,6 +120,7 @@ def peer_verdict(
     pairs: Sequence[Tuple[int, int]],
     *,
     stock_skips_kv: bool = False,
+    target_path: TargetPath = TargetPath.WHOLE_PAGES,
 ) -> DraftKVPeerPlan:
     """The verdict for one decode peer; raises :class:`DraftKVLayoutError` to refuse it.
 
@@ -115,8 +128,11 @@ def peer_verdict(
     hybrid-MLA target when the decode has the smaller attention TP, because the target KV is
     replicated and one rank of each group suffices; the draft heads are not replicated there,
     so a rank holding heads no lower rank holds must still send them (DRAFT_ONLY).
+
+    ``target_path``: which of sglang's copies carries the target entries (module docstring).
     """
     n_t = prefill.num_target_entries
+    sliced = target_path is TargetPath.HEAD_SLICED
     if prefill.num_draft_entries == 0:
         return DraftKVPeerPlan(PeerAction.STOCK)
     has_lens = bool(decode.item_lens)
@@ -126,7 +142,8 @@ def peer_verdict(
             f"{decode.num_entries} KV entries; its registration is malformed. Restart the "
             "decode server with the same sglang release as the prefill."
         )
-    _check_target_entries(prefill, decode, [(i, j) for i, j in pairs if i < n_t])
+    if not sliced:  # sliced: the decode's target entries hold fewer heads, by design
+        _check_target_entries(prefill, decode, [(i, j) for i, j in pairs if i < n_t])
     draft_pairs = [(i, j) for i, j in pairs if i >= n_t]
     if prefill.pp_size > 1 and prefill.pp_rank != prefill.pp_size - 1:
         # Only the last stage owns the draft; an earlier stage's draft pool holds nothing useful.
@@ -142,7 +159,7 @@ def peer_verdict(
         prefill.item_lens[i] == decode.item_lens[j] for i, j in draft_pairs
     )
     same_rank = prefill.tp_size == decode.tp_size and prefill.tp_rank == decode.tp_rank
-    if same_rank and (same_lens or not has_lens):
+    if same_rank and (same_lens or not has_lens) and not sliced:
         # Same attention TP: the decode rank pairs with the same-numbered prefill rank, which
         # holds exactly its heads, and sglang's whole-page copy is exact.
         return DraftKVPeerPlan(PeerAction.STOCK)
@@ -192,6 +209,12 @@ def peer_verdict(
             )
     pair = plan_pair(src, dst)
     entries = tuple(DraftEntryPair(i, j, _component(prefill, i)) for i, j in draft_pairs)
+    if sliced:
+        # sglang would slice the draft entries with the target's head count: never let it.
+        # (The send hook hands sglang the target entries of both sides only, so its own
+        # pairing, by layer id or by its K/V split, sees no draft entry.)
+        action = PeerAction.HEAD_AWARE if pair.writer else PeerAction.TARGET_ONLY
+        return DraftKVPeerPlan(action, pair, entries)
     if not pair.writer:
         # A replica that lost the election. Without layer ids (a pure-MLA target) sglang already
         # marks this rank a dummy sender for the decode, and stock sends nothing either.

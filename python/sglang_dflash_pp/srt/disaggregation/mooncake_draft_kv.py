@@ -4,7 +4,9 @@ A hybrid-MLA target (Kimi-K3) always sends its KV, with the draft KV appended, t
 ``MooncakeKVManager.send_kvcache``, which addresses source and destination pages with the
 prefill's item length. When prefill and decode hold different numbers of draft heads per rank
 (prefill TP4 = 2 of 8 heads per rank, decode TP32 = 1) this writes the wrong bytes to the wrong
-decode pages, and no check rejects the layout. Three hooks fix it:
+decode pages, and no check rejects the layout; a plain-MHA target at another attention TP goes
+through ``send_kvcache_slice``, which slices the draft with the target's head count. Four hooks fix
+it:
 
 * AROUND ``MooncakeKVManager._validate_peer_state_layout``, which ``_publish_peer_registration``
   calls once per decode registration. After the stock checks pass, it decides the peer's draft
@@ -20,6 +22,11 @@ decode pages, and no check rejects the layout. Three hooks fix it:
   that lost the writer election, packed page runs or per-token descriptors otherwise. Draft
   pages go to the decode's device page ids when it sends them (HiSparse: the draft suffix is
   device-resident). KDA / Mamba state is sent by ``maybe_send_extra`` and is not touched.
+* AROUND ``MooncakeKVManager.send_kvcache_slice``, the transfer worker's path for a plain-MHA
+  target (Llama, Qwen3, ...) whose attention TP differs from the decode's. sglang slices every
+  entry with the target's head count, wrong for a draft with other heads (and it refuses entries
+  of unequal item lengths outright). The target entries keep sglang's slicing (the original on
+  the target-entries view); the draft entries follow the plan as above.
 * AROUND ``MooncakeKVManager._get_dsa_cache_transfer_skip_flags``: with a hybrid-MLA target and
   a decode of smaller attention TP, sglang lets only the first prefill rank of each group send
   KV, since the target KV is replicated. The draft heads are sharded, not replicated, so a rank
@@ -56,6 +63,7 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import (
     DraftKVPeerPlan,
     PeerAction,
     PrefillSide,
+    TargetPath,
     peer_verdict,
 )
 from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
@@ -138,12 +146,7 @@ def draft_kv_verdict(self, registration) -> Optional[DraftKVPeerPlan]:
         return None  # no DFLASH draft entries on this rank
     if getattr(registration, "requires_dcp_relayout", False):
         return None  # send_kvcache_dcp slices the draft itself
-    if not (
-        self.is_mla_backend
-        or self.is_hybrid_mla_backend
-        or self.attn_tp_size == registration.dst_attn_tp_size
-    ):
-        return None  # staging / send_kvcache_slice path: send_kvcache is not used
+    target_path = _target_path(self, registration)
     try:
         pairs = _stock_entry_pairs(self, registration)
     except (RuntimeError, ValueError) as e:
@@ -172,7 +175,9 @@ def draft_kv_verdict(self, registration) -> Optional[DraftKVPeerPlan]:
     )
     # Through our own hook, which answers stock while no verdict is attached to this record.
     stock_skips_kv, _ = self._get_dsa_cache_transfer_skip_flags(registration)
-    plan = peer_verdict(prefill, decode, pairs, stock_skips_kv=stock_skips_kv)
+    plan = peer_verdict(
+        prefill, decode, pairs, stock_skips_kv=stock_skips_kv, target_path=target_path
+    )
     if plan.action.sends_draft and plan.pair.regime is Regime.PACK_SOURCE:
         need = sum(plan.pair.bytes_per_page(e.component) for e in plan.entries)
         buffer = _pack_buffer(self, source)
@@ -182,6 +187,26 @@ def draft_kv_verdict(self, registration) -> Optional[DraftKVPeerPlan]:
                 f"decode's draft heads ({need} B); raise {PACK_BUFFER_MB_ENV}."
             )
     return plan
+
+
+def _target_path(self, registration) -> TargetPath:
+    """The copy sglang's transfer worker will use for this peer's target entries (the dispatch
+    in ``MooncakeKVManager.transfer_worker``), or refuse the one we do not cover."""
+    if (
+        self.is_mla_backend
+        or self.is_hybrid_mla_backend
+        or self.attn_tp_size == registration.dst_attn_tp_size
+    ):
+        return TargetPath.WHOLE_PAGES
+    if self.enable_staging and (
+        registration.staging_base_ptr != 0 or registration.staging_total_size != 0
+    ):
+        raise DraftKVLayoutError(
+            "with SGLANG_DISAGG_STAGING_BUFFER the KV of a plain-MHA target with another "
+            "attention TP goes through the staging copy, which does not carry DFLASH draft KV "
+            "head by head; unset SGLANG_DISAGG_STAGING_BUFFER on both servers."
+        )
+    return TargetPath.HEAD_SLICED
 
 
 def _pack_buffer(self, source):
@@ -348,6 +373,58 @@ def send_kvcache_around(
     )
 
 
+def send_kvcache_slice_around(
+    original,
+    self,
+    mooncake_session_id,
+    prefill_kv_indices,
+    dst_kv_ptrs,
+    dst_kv_indices,
+    dst_tp_rank,
+    dst_attn_tp_size,
+    dst_kv_item_len,
+    executor,
+    dst_layer_ids=None,
+):
+    def stock(manager, dst_ptrs, dst_ids):
+        return original(
+            manager,
+            mooncake_session_id,
+            prefill_kv_indices,
+            dst_ptrs,
+            dst_kv_indices,
+            dst_tp_rank,
+            dst_attn_tp_size,
+            dst_kv_item_len,
+            executor,
+            dst_ids,
+        )
+
+    plan, consistent = _cached_plan(self, mooncake_session_id, dst_kv_ptrs)
+    if plan is None or plan.action is PeerAction.STOCK:
+        return stock(self, dst_kv_ptrs, dst_layer_ids)
+    if not consistent:
+        logger.error(
+            "Decode %s re-registered with other KV buffers during a transfer; failing it.",
+            mooncake_session_id,
+        )
+        return -1
+    # sglang slices the target heads, seeing the target entries of both sides only: its
+    # K/V split (no layer ids) and its id pairing are then both exact.
+    n_target_dst = len(dst_kv_ptrs) - len(plan.entries)
+    if sorted(e.dst_index for e in plan.entries) != list(range(n_target_dst, len(dst_kv_ptrs))):
+        logger.error("DFlash draft KV: decode %s's draft entries are not its last entries",
+                     mooncake_session_id)
+        return -1
+    ids = list(dst_layer_ids[:n_target_dst]) if dst_layer_ids else dst_layer_ids
+    ret = stock(_TargetEntriesOnly(self), list(dst_kv_ptrs[:n_target_dst]), ids)
+    if ret != 0 or plan.action is PeerAction.TARGET_ONLY:
+        return ret
+    return send_draft_entries(
+        self, plan, mooncake_session_id, prefill_kv_indices, dst_kv_indices, dst_kv_ptrs
+    )
+
+
 def send_draft_entries(
     self, plan: DraftKVPeerPlan, session: str, src_pages, dst_pages, dst_kv_ptrs
 ) -> int:
@@ -466,6 +543,12 @@ HOOKS = (
         send_kvcache_around,
         "around",
         "send each decode rank exactly its own draft KV heads",
+    ),
+    PluginHook(
+        f"{_MANAGER}.send_kvcache_slice",
+        send_kvcache_slice_around,
+        "around",
+        "plain-MHA target at another attention TP: slice the draft heads by the draft's plan",
     ),
     PluginHook(
         f"{_MANAGER}._get_dsa_cache_transfer_skip_flags",
