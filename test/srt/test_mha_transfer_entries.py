@@ -104,8 +104,10 @@ def test_build_kv_layer_ids_is_stock_outside_a_dflash_pp_prefill(sglang_with_plu
     for overrides, pp_size, expected in cases:
         override = get_context().override_server_args(**overrides)
         override.install()
+        group = SimpleNamespace(world_size=pp_size, rank_in_group=pp_size - 1,
+                                is_first_rank=pp_size == 1, is_last_rank=True)  # fmt: skip
         try:
-            with get_parallel().override(pp_size=pp_size):
+            with get_parallel().override(pp_size=pp_size, pp_rank=pp_size - 1, pp_group=group):
                 assert utils.build_kv_layer_ids(**call) == expected, (overrides, pp_size)
         finally:
             override.restore()
@@ -144,3 +146,43 @@ def test_head_sliced_path_sends_the_draft_by_our_plan(sglang_with_plugin):
         assert sorted(e.dst_index for e in plan.entries) == list(range(2 * N, len(d_lens)))
         with pytest.raises(DraftKVLayoutError, match="target KV entry 0 is 256 B"):
             peer_verdict(prefill, decode, pairs, target_path=TargetPath.WHOLE_PAGES)
+
+
+def test_target_path_follows_sglangs_dispatch_and_refuses_staging(sglang_with_plugin):
+    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv as m
+
+    def manager(mla=False, staging=False, tp=1):
+        return SimpleNamespace(is_mla_backend=mla, is_hybrid_mla_backend=False,
+                               attn_tp_size=tp, enable_staging=staging)  # fmt: skip
+
+    def peer(tp, staging_ptr=0):
+        return SimpleNamespace(dst_attn_tp_size=tp, staging_base_ptr=staging_ptr,
+                               staging_total_size=0)  # fmt: skip
+
+    assert m._target_path(manager(), peer(1)) is TargetPath.WHOLE_PAGES
+    assert m._target_path(manager(mla=True), peer(2)) is TargetPath.WHOLE_PAGES
+    assert m._target_path(manager(), peer(2)) is TargetPath.HEAD_SLICED
+    assert m._target_path(manager(staging=True), peer(2)) is TargetPath.HEAD_SLICED  # no slots
+    with pytest.raises(DraftKVLayoutError, match="unset SGLANG_DISAGG_STAGING_BUFFER"):
+        m._target_path(manager(staging=True), peer(2, staging_ptr=4096))
+
+
+def test_send_kvcache_slice_hook_is_stock_without_a_draft_verdict(sglang_with_plugin):
+    """No verdict on the peer's registration (no DFLASH draft on this rank, or a peer stock
+    serves exactly): the original runs with exactly the arguments it was given."""
+    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv as m
+
+    calls = []
+
+    def original(*args):
+        calls.append(args)
+        return 0
+
+    registration = SimpleNamespace(dst_kv_ptrs=[1, 2, 3])
+    self = SimpleNamespace(decode_kv_args_table={"s": registration})
+    args = ("s", [0, 1], [1, 2, 3], [5, 6], 1, 2, 64, None, [0, 1, 2])
+    assert m.send_kvcache_slice_around(original, self, *args) == 0
+    assert calls == [(self, *args)]
+    registration.dflash_draft_kv_plan = m.DraftKVPeerPlan(PeerAction.STOCK)
+    assert m.send_kvcache_slice_around(original, self, *args) == 0
+    assert calls[-1] == (self, *args)

@@ -25,14 +25,12 @@ stock setter's effect, exactly).
 
 from __future__ import annotations
 
-import zlib
-from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import List, Optional
 
 import pytest
 import torch
 
+from pp_stage_models import StandInAttention, seed_weights, stage_context
 from sglang_dflash_pp.srt.models.capture_ownership import (
     PP_CAPTURE_TARGETS,
     capture_convention,
@@ -83,39 +81,6 @@ def id_sets(arch: str):
     return sets
 
 
-class StandInAttention(torch.nn.Module):
-    def __init__(self, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.last_input: Optional[torch.Tensor] = None
-
-    def forward(self, positions=None, hidden_states=None, forward_batch=None, **kwargs):
-        self.last_input = hidden_states.clone()
-        return torch.tanh(hidden_states) * 0.5 + 0.1 * (self.layer_idx + 1)
-
-
-def seed_weights(model: torch.nn.Module) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            r = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * r if p.ndim == 1 else 0.1 * r)
-
-
-@contextmanager
-def stage_context(pp_rank: int, pp_size: int, partition: Optional[str], monkeypatch_env):
-    from sglang.srt.runtime_context import get_parallel
-
-    group = SimpleNamespace(is_first_rank=pp_rank == 0, is_last_rank=pp_rank == pp_size - 1,
-                            rank_in_group=pp_rank, world_size=pp_size)
-    with monkeypatch_env() as mp:
-        mp.delenv("SGLANG_PP_LAYER_PARTITION", raising=False)
-        if partition is not None:
-            mp.setenv("SGLANG_PP_LAYER_PARTITION", partition)
-        with get_parallel().override(pp_rank=pp_rank, pp_size=pp_size, pp_group=group):
-            yield
-
-
 class Stage:
     def __init__(self, arch: str, config, pp_rank: int, pp_size: int, partition):
         import importlib
@@ -135,7 +100,7 @@ class Stage:
             self.backbone.layers[i].self_attn = StandInAttention(i)
 
     def context(self):
-        return stage_context(self.pp_rank, self.pp_size, self.partition, pytest.MonkeyPatch.context)
+        return stage_context(self.pp_rank, self.pp_size, self.partition)
 
     @property
     def is_last(self) -> bool:

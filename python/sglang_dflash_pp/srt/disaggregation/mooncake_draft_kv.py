@@ -326,6 +326,20 @@ def _cached_plan(self, session: str, dst_kv_ptrs) -> Tuple[Optional[DraftKVPeerP
     return plan, published is dst_kv_ptrs or list(published) == list(dst_kv_ptrs)
 
 
+def _send_plan(self, session: str, dst_kv_ptrs) -> Tuple[Optional[DraftKVPeerPlan], int]:
+    """(plan, failure code) for one send: no plan where sglang's own path is exact; a failure
+    if the decode re-registered other buffers since the verdict."""
+    plan, consistent = _cached_plan(self, session, dst_kv_ptrs)
+    if plan is None or plan.action is PeerAction.STOCK:
+        return None, 0
+    if not consistent:
+        logger.error(
+            "Decode %s re-registered with other KV buffers during a transfer; failing it.", session
+        )
+        return None, -1
+    return plan, 0
+
+
 def send_kvcache_around(
     original,
     self,
@@ -353,15 +367,11 @@ def send_kvcache_around(
             dst_attn_tp_size=dst_attn_tp_size,
         )
 
-    plan, consistent = _cached_plan(self, mooncake_session_id, dst_kv_ptrs)
-    if plan is None or plan.action is PeerAction.STOCK:
+    plan, failed = _send_plan(self, mooncake_session_id, dst_kv_ptrs)
+    if failed:
+        return failed
+    if plan is None:
         return stock(self)
-    if not consistent:
-        logger.error(
-            "Decode %s re-registered with other KV buffers during a transfer; failing it.",
-            mooncake_session_id,
-        )
-        return -1
     if plan.action is not PeerAction.DRAFT_ONLY:
         ret = stock(_TargetEntriesOnly(self))
         if ret != 0 or plan.action is PeerAction.TARGET_ONLY:
@@ -400,15 +410,11 @@ def send_kvcache_slice_around(
             dst_ids,
         )
 
-    plan, consistent = _cached_plan(self, mooncake_session_id, dst_kv_ptrs)
-    if plan is None or plan.action is PeerAction.STOCK:
+    plan, failed = _send_plan(self, mooncake_session_id, dst_kv_ptrs)
+    if failed:
+        return failed
+    if plan is None:
         return stock(self, dst_kv_ptrs, dst_layer_ids)
-    if not consistent:
-        logger.error(
-            "Decode %s re-registered with other KV buffers during a transfer; failing it.",
-            mooncake_session_id,
-        )
-        return -1
     # sglang slices the target heads, seeing the target entries of both sides only: its
     # K/V split (no layer ids) and its id pairing are then both exact.
     n_target_dst = len(dst_kv_ptrs) - len(plan.entries)
