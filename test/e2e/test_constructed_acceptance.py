@@ -25,7 +25,7 @@ import pytest
 
 import cpu_servers
 import e2e_models as models
-from conftest import Deployment
+from deployments import Deployment
 from deployment_args import DECODE_ARGS, prefill_args, server_args
 
 pytestmark = pytest.mark.slow

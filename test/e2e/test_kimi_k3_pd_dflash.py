@@ -26,7 +26,7 @@ import torch
 
 import cpu_servers
 import e2e_models as models
-from conftest import Deployment
+from deployments import Deployment
 from deployment_args import DECODE_ARGS, prefill_args
 
 pytestmark = pytest.mark.slow

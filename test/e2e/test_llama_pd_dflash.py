@@ -37,7 +37,7 @@ import torch
 
 import cpu_servers
 import e2e_models as models
-from conftest import Deployment
+from deployments import Deployment
 from deployment_args import CHUNK, DECODE_ARGS, prefill_args, server_args
 
 pytestmark = pytest.mark.slow
@@ -116,11 +116,21 @@ def _run_round(base_url: str, tag: str, parallel: bool) -> list:
         return list(pool.map(one, range(len(PROMPTS))))
 
 
-def _flush(server) -> None:
+def _flush(server, timeout_s: float = 120.0) -> None:
+    """Flush the prefill's radix cache. sglang refuses while the server still holds requests
+    (a PD prefill keeps a finished request until its KV transfer is acknowledged): retry until
+    it is idle."""
+    import time
+
     import requests
 
-    r = requests.post(server.base_url + "/flush_cache", timeout=60)
-    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = requests.post(server.base_url + "/flush_cache", timeout=60)
+        if r.status_code == 200:
+            return
+        assert time.monotonic() < deadline, f"flush_cache kept failing: {r.status_code} {r.text}"
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")

@@ -128,14 +128,12 @@ class PPDFlashWorkerV2(DFlashWorkerV2):
             self._w_stage = self._load_stage_columns(ownership, hidden)
         if get_parallel().tp_rank == 0:
             logger.info(
-                "DFLASH PP stage %d/%d: features %s, %s carry %s, %s.",
+                "DFLASH PP stage %d/%d: features %s; carry in: %s; carry out: %s; %s.",
                 self._carry.stage,
                 self._carry.pp_size,
                 list(self._carry.features),
-                "receives" if self._carry.receives else "no inbound",
-                str(self._carry_dtype).replace("torch.", "")
-                if self._carry.sends
-                else "(none sent)",
+                "yes" if self._carry.receives else "none",
+                str(self._carry_dtype).replace("torch.", "") if self._carry.sends else "none",
                 "hosts the draft" if self._hosts_draft else "no draft",
             )
 

@@ -42,7 +42,8 @@ def create_worker_around(original, self, server_args, *args, **kwargs):
 def build_draft_tp_worker_around(original, *args, **kwargs):
     build = current_draft_build()
     if build is not None:
-        kwargs.setdefault("load_group", build.load_group)
+        if build.load_group is not None:
+            kwargs.setdefault("load_group", build.load_group)
         if kwargs.get("random_seed") is None:
             kwargs["random_seed"] = build.random_seed
     return original(*args, **kwargs)
