@@ -18,10 +18,7 @@ import json
 import sys
 from typing import List, Optional
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_REFUSED = 3
+from sglang_dflash_pp.tools.exit_codes import EXIT_OK, EXIT_REFUSED
 
 EPILOG = "exit codes: 0 accepted/verified, 1 verification or run failure, 2 usage, 3 refused"
 

@@ -171,7 +171,7 @@ def prefill_manager(
 
 
 def record_source(pool):
-    from sglang_dflash_pp.srt.disaggregation.prefill_draft_kv import (
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_source import (
         describe_draft_pool,
         record_draft_kv_source,
     )
@@ -695,7 +695,7 @@ def test_verdict_is_cached_and_replaced_on_reregistration(pools, monkeypatch):
 
 
 def test_unknown_draft_pool_serves_only_equal_tp(pools):
-    from sglang_dflash_pp.srt.disaggregation.prefill_draft_kv import (
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_source import (
         describe_draft_pool,
         record_draft_kv_source,
     )

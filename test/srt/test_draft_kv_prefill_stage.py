@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from sglang_dflash_pp.srt.disaggregation import prefill_draft_kv
+from sglang_dflash_pp.srt.disaggregation import draft_kv_source, prefill_draft_kv
 
 
 def mha_pool(heads: int, layers: int, head_dim: int = 32):
@@ -103,7 +103,7 @@ def test_dflash_mooncake_prefill_records_the_draft_geometry(sglang_with_plugin):
         # What the bootstrap thread would see if a decode registered right now.
         ptrs = draft.get_contiguous_buf_infos()[0]
         kv_args = types.SimpleNamespace(kv_data_ptrs=[1, 2] + ptrs, num_draft_entries=len(ptrs))
-        seen["source"] = prefill_draft_kv.draft_kv_source_for(kv_args)
+        seen["source"] = draft_kv_source.draft_kv_source_for(kv_args)
         return "manager"
 
     assert prefill_draft_kv.init_kv_manager_around(original, q) == "manager"
@@ -132,7 +132,7 @@ def test_other_algorithms_and_backends_record_nothing(sglang_with_plugin, algori
     kv_args = types.SimpleNamespace(
         kv_data_ptrs=draft.get_contiguous_buf_infos()[0], num_draft_entries=4
     )
-    assert prefill_draft_kv.draft_kv_source_for(kv_args) is None
+    assert draft_kv_source.draft_kv_source_for(kv_args) is None
 
 
 def test_refuses_to_start_without_the_transfer_hooks(sglang_with_plugin, monkeypatch):
@@ -174,7 +174,7 @@ def test_a_pool_it_cannot_read_is_described_with_the_reason(sglang_with_plugin):
         device="cpu",
         enable_memory_saver=False,
     )
-    source = prefill_draft_kv.describe_draft_pool(pool, 8)
+    source = draft_kv_source.describe_draft_pool(pool, 8)
     assert source.shape is None
     assert (
         source.shape_unknown_reason

@@ -30,6 +30,12 @@ import tempfile
 import time
 
 from sglang_dflash_pp.tools import examples
+from sglang_dflash_pp.tools.exit_codes import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_REFUSED,
+)
 from sglang_dflash_pp.tools.preflight_spec import SPEC_FILE, PreflightSpec, scaled_draft_config
 
 # Allowed |PP path - reference|, in units of the model dtype's epsilon times the reference's
@@ -393,7 +399,6 @@ def _stage_text(s: dict) -> str:
 # is loopback: no port of the run is reachable from outside the machine.
 
 NETNS_ENV = "SGLANG_DFLASH_PP_PREFLIGHT_NETNS"
-EXIT_INTERRUPTED = 130
 UNSHARE = ["unshare", "--net", "--map-root-user", "--"]
 
 
@@ -457,7 +462,6 @@ def _stop(inner) -> None:
 
 
 def run_preflight_cli(opts, argv=()) -> int:
-    from sglang_dflash_pp.cli import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
 
     inside = os.environ.get(NETNS_ENV) == "1"
     if not inside and opts.network != "host":

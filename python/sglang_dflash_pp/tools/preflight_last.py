@@ -40,7 +40,7 @@ from sglang_dflash_pp.tools.preflight_spec import (
     SGLANG_INIT,
     PreflightSpec,
 )
-from sglang_dflash_pp.tools.preflight_stage import carry_group, recv_partial
+from sglang_dflash_pp.tools.preflight_carry import carry_group, recv_partial
 
 
 def setup_sglang(spec: PreflightSpec) -> None:
@@ -299,7 +299,7 @@ def _engine():
 def _register(spec: PreflightSpec, engine, rank_pools):
     """Register every prefill rank's draft pool as sglang does (each K and V buffer, from
     ``get_contiguous_buf_infos``) and record it for the send path (``describe_draft_pool``)."""
-    from sglang_dflash_pp.srt.disaggregation.prefill_draft_kv import (
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_source import (
         describe_draft_pool,
         record_draft_kv_source,
     )

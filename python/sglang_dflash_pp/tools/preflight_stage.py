@@ -17,28 +17,13 @@ carries exactly the bytes each TP rank would carry.
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 import time
 
 from sglang_dflash_pp.tools import preflight_proc as proc
-from sglang_dflash_pp.tools.preflight_spec import CARRY_STORE, OWNERSHIP_FILE, PreflightSpec
-
-CARRY_TAG = 0
-
-
-def carry_group(spec: PreflightSpec, stage: int):
-    """A gloo process group of all PP stages, for the carry only (it leaves the default
-    ``torch.distributed`` group to sglang on the last stage)."""
-    import torch.distributed as dist
-
-    store = dist.PrefixStore("carry/", dist.FileStore(spec.path(CARRY_STORE), spec.pp))
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
-    return dist.ProcessGroupGloo(store, stage, spec.pp, opts)
-
+from sglang_dflash_pp.tools.preflight_carry import CARRY_TAG, carry_group, recv_partial
+from sglang_dflash_pp.tools.preflight_spec import OWNERSHIP_FILE, PreflightSpec
 
 def stage_ownership(spec: PreflightSpec):
     """The ownership every stage computes from sglang's partition (written by the last stage,
@@ -48,14 +33,6 @@ def stage_ownership(spec: PreflightSpec):
     with open(spec.path(OWNERSHIP_FILE)) as f:
         stage_layers = json.load(f)["stage_layers"]
     return compute_feature_ownership(stage_layers, spec.target_layer_ids, spec.num_layers)
-
-
-def recv_partial(spec: PreflightSpec, group, stage: int):
-    import torch
-
-    buf = torch.empty(spec.tokens, spec.hidden, dtype=spec.torch_dtype(spec.carry_dtype))
-    group.recv([buf], stage - 1, CARRY_TAG).wait()
-    return buf
 
 
 def run_stage(spec: PreflightSpec, stage: int) -> None:

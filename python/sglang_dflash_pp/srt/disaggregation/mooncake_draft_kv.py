@@ -77,7 +77,7 @@ from sglang_dflash_pp.srt.disaggregation.mha_layer_ids import (
     decode_mha_layer_ids,
     published_num_layers,
 )
-from sglang_dflash_pp.srt.disaggregation.prefill_draft_kv import draft_kv_source_for
+from sglang_dflash_pp.srt.disaggregation.draft_kv_source import draft_kv_source_for
 
 logger = logging.getLogger(__name__)
 
