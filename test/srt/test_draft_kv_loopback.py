@@ -127,8 +127,7 @@ def decode_main() -> None:
             errors, checked = [], 0
             for r, bufs in cases[cmd["case"]].items():
                 tp = case["decode_tp"]
-                h = harness.heads_per_rank(tp)
-                start = (r // max(1, tp // H)) * h
+                heads = harness.owned_heads(tp, r)
                 want_t = []
                 for i, buf in enumerate(bufs["target"]):
                     want = np.full(buf.size, SENTINEL, np.uint8)
@@ -145,7 +144,8 @@ def decode_main() -> None:
                 for layer, buf in enumerate(bufs["fused"]):
                     want = np.full(buf.size, SENTINEL, np.uint8)
                     for half, q in ((0, layer), (1, L + layer)):
-                        full = harness.global_draft_kv(q, rows)[:, start : start + h].contiguous()
+                        full = harness.global_draft_kv(q, rows)[:, heads.start : heads.stop]
+                        full = full.contiguous()
                         tokens = full.view(torch.uint8).reshape(rows, rb).numpy()
                         body = want[
                             GUARD + half * rows * rb : GUARD + (half + 1) * rows * rb

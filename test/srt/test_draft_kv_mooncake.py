@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 import torch
 
+from sglang_dflash_pp.tools.qkv_kv_heads import kv_heads_by_rank
+
 H, HEAD_DIM, PAGE, DRAFT_LAYERS = 8, 128, 64, 6
 NUM_HIDDEN_LAYERS = 16
 TARGET_LAYER_IDS = [3, 7, 11, 15]
@@ -40,8 +42,14 @@ def innermost(fn):
     return fn
 
 
+def owned_heads(tp_size: int, tp_rank: int) -> range:
+    """The draft KV heads a rank holds, read from sglang's ``QKVParallelLinear`` (the oracle the
+    geometry under test is checked against, not a restatement of it)."""
+    return kv_heads_by_rank(H, tp_size)[tp_rank]
+
+
 def heads_per_rank(tp: int) -> int:
-    return max(1, H // tp)
+    return len(owned_heads(tp, 0))
 
 
 def make_draft_pool(
@@ -50,20 +58,19 @@ def make_draft_pool(
     """A real sglang draft pool on CPU, each rank's owned heads holding their global values."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    h = heads_per_rank(tp_size)
+    heads = owned_heads(tp_size, tp_rank)
     pool = MHATokenToKVPool(
         size=pages * PAGE,
         page_size=PAGE,
         dtype=torch.bfloat16,
-        head_num=h,
+        head_num=len(heads),
         head_dim=head_dim,
         layer_num=DRAFT_LAYERS,
         device="cpu",
         enable_memory_saver=False,
     )
-    start = (tp_rank // max(1, tp_size // H)) * h
     for q, buf in enumerate(list(pool.k_buffer) + list(pool.v_buffer)):
-        buf.copy_(global_draft_kv(q, buf.shape[0], head_dim)[:, start : start + h])
+        buf.copy_(global_draft_kv(q, buf.shape[0], head_dim)[:, heads.start : heads.stop])
     return pool
 
 
@@ -286,15 +293,14 @@ def decode_images_from(writes, registration, tp_size: int, *, pages=POOL_PAGES, 
 def assert_decode_holds_its_heads(
     images, tp_size: int, tp_rank: int, src_pages, dst_pages, *, head_dim=HEAD_DIM
 ):
-    h = heads_per_rank(tp_size)
-    start = (tp_rank // max(1, tp_size // H)) * h
+    heads = owned_heads(tp_size, tp_rank)
     for q, (img, cnt) in images.items():
         full = global_draft_kv(q, POOL_PAGES * PAGE + PAGE, head_dim)
         want = np.zeros_like(img)
         wcnt = np.zeros_like(cnt)
         rows = img.size // (POOL_PAGES * PAGE)
         for sp, dp in zip(src_pages, dst_pages):
-            tok = full[sp * PAGE : (sp + 1) * PAGE, start : start + h].contiguous()
+            tok = full[sp * PAGE : (sp + 1) * PAGE, heads.start : heads.stop].contiguous()
             want[dp * PAGE * rows : (dp + 1) * PAGE * rows] = (
                 tok.view(torch.uint8).reshape(-1).numpy()
             )

@@ -9,12 +9,12 @@ the rank's heads each) with a guard region before and after, all registered with
 rank publishes what a decode registration carries: its entry pointers and per-entry item lengths.
 
 Verification is independent of the plan and geometry modules under test: the heads a decode rank
-must hold come from ``QKVParallelLinear``'s sharding rule written out here, and the expected
+must hold are read from sglang's own ``QKVParallelLinear`` (``qkv_kv_heads``), and the expected
 bytes from the last stage's saved pools. Every byte of every allocation is compared (the sent
 pages hold exactly the rank's heads of the prefill pools' bytes; guards and every other page
 keep the sentinel), and the received values are compared with the single-process reference.
 
-Imports numpy, torch and ``mooncake.engine`` only.
+Imports numpy, torch, ``mooncake.engine`` and ``sglang.srt.layers.linear`` (for the head oracle).
 """
 
 from __future__ import annotations
@@ -24,17 +24,14 @@ import time
 
 from sglang_dflash_pp.tools import preflight_proc as proc
 from sglang_dflash_pp.tools.preflight_spec import KV_FILE, PreflightSpec
+from sglang_dflash_pp.tools.qkv_kv_heads import kv_heads_by_rank
 
 GUARD = 4096
 SENTINEL = 0xA5
 
 
 def owned_heads(spec: PreflightSpec, rank: int) -> range:
-    """QKVParallelLinear: ``h = max(1, H // T)`` heads per rank, each head replicated on
-    ``max(1, T // H)`` consecutive ranks; shard ``rank // replicas``."""
-    h = max(1, spec.draft_heads // spec.d_tp)
-    start = (rank // max(1, spec.d_tp // spec.draft_heads)) * h
-    return range(start, start + h)
+    return kv_heads_by_rank(spec.draft_heads, spec.d_tp)[rank]
 
 
 class DecodePools:
