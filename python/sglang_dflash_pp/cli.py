@@ -18,6 +18,7 @@ import json
 import sys
 from typing import List, Optional
 
+from sglang_dflash_pp.tools import examples
 from sglang_dflash_pp.tools.exit_codes import EXIT_OK, EXIT_REFUSED
 
 EPILOG = "exit codes: 0 accepted/verified, 1 verification or run failure, 2 usage, 3 refused"
@@ -39,7 +40,7 @@ def _check_parser(sub) -> None:
     )
     p.add_argument(
         "--example",
-        choices=["kimi-k3"],
+        choices=sorted(examples.NAMES),
         help="a packaged deployment (config stand-ins, no weights)",
     )
     p.add_argument("--model-path", help="target checkpoint directory or its config.json")

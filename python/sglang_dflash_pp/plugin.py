@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 HOOK_MODULES = (
     "sglang_dflash_pp.srt.arg_groups.dflash_pp_gate",
     "sglang_dflash_pp.srt.models.dflash",
+    "sglang_dflash_pp.srt.models.kv_write_draft",
     "sglang_dflash_pp.srt.models.pp_capture",
     "sglang_dflash_pp.srt.speculative.worker_selection",
     "sglang_dflash_pp.srt.managers.scheduler_pp_relay",

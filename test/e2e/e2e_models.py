@@ -112,6 +112,14 @@ def write_dflash_draft(path: str, *, kv_heads: int = 2, seed: int = 1,
     return path
 
 
+def write_draft_config_only(path: str, **config_kw) -> str:
+    """The draft directory an operator has before the weights: ``config.json`` alone."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(draft_config(**config_kw), f, indent=1)
+    return path
+
+
 # -- Kimi-K3 -------------------------------------------------------------------------------------
 # A tiny text-only KimiK3LinearForCausalLM: 4 layers, KDA at layers 0 and 2, MLA at 1 and 3
 # (1-based 1,3 / 2,4 in linear_attn_config), MoE from layer 1. kv_lora_rank 256 + rope 32 makes

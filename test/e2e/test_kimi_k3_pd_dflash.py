@@ -18,7 +18,6 @@ prompts, few tokens, one start per deployment.
 
 from __future__ import annotations
 
-import glob
 import os
 
 import pytest
@@ -28,6 +27,7 @@ import cpu_servers
 import e2e_models as models
 from deployments import Deployment
 from deployment_args import DECODE_ARGS, prefill_args
+from draft_kv_dumps import read_dumps
 
 pytestmark = pytest.mark.slow
 
@@ -119,10 +119,7 @@ def draft_kv_tolerance(reference: torch.Tensor) -> float:
 
 
 def test_k3_decode_draft_kv_after_pp2_prefill_equals_pp1_prefill(k3):
-    records = {}
-    for path in glob.glob(os.path.join(k3["dump"], "tp0-k3-*.pt")):
-        record = torch.load(path)
-        records[record["rid"]] = record
+    records = read_dumps(k3["dump"], "k3")
     for i in range(len(PROMPTS)):
         rb, rc = records[f"k3-b-{i}"], records[f"k3-c-{i}"]
         assert rb["input_ids"] == rc["input_ids"]

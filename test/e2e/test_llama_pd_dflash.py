@@ -18,8 +18,8 @@ longer than ``--chunked-prefill-size`` (the PP path runs chunked, several micro-
 flight), the short prompt again (a radix prefix hit on the prefill) and two more. Asserted:
 greedy tokens (c) == (b) == (a); D's draft KV rows of every request after the transfer, read by
 the test-only decode hook (``cpu_support/draft_kv_readout``), equal between (b) and (c) within
-the fp32 bound derived in :func:`draft_kv_tolerance`, and (e)'s too; the acceptance statistics
-the decode reports are identical between (b), (c) and (e); D2's two ranks' draft KV, side by
+the fp32 bound derived in :func:`draft_kv_dumps.fp32_draft_kv_tolerance`, and (e)'s too; the
+acceptance statistics the decode reports are identical between (b), (c) and (e); D2's two ranks' draft KV, side by
 side, is byte-equal to D1's for the same prefill computation, and (d)'s and (e)'s tokens equal
 (c)'s; and the ranks of the PP prefills entered the same sequence of collectives, group by group
 (the startup deadlock the last stage's draft build had, and any other of its kind).
@@ -39,6 +39,7 @@ import cpu_servers
 import e2e_models as models
 from deployments import Deployment
 from deployment_args import CHUNK, DECODE_ARGS, prefill_args, server_args
+from draft_kv_dumps import fp32_draft_kv_tolerance, read_dumps
 
 pytestmark = pytest.mark.slow
 
@@ -177,30 +178,7 @@ def test_acceptance_statistics_equal_between_pp1_and_pp2_prefill(outputs):
 
 
 def _dumps(llama, prefix: str, tp_rank: int = 0) -> dict:
-    out = {}
-    for path in glob.glob(os.path.join(llama["dump"], f"tp{tp_rank}-{prefix}-*.pt")):
-        record = torch.load(path)
-        out[record["rid"]] = record
-    return out
-
-
-def draft_kv_tolerance(reference: torch.Tensor) -> float:
-    """The largest |difference| accepted between D's draft K (or V) after a PP1 and a PP2
-    prefill, for fp32 models.
-
-    The two prefills differ only in how the context projection ``C = sum_j h_j W_j^T`` is
-    summed: one GEMM of ``n = K*H = 192`` terms on PP1, partial sums across stages on PP2
-    (everything after it, the hidden norm, the K/V projection, K-norm and RoPE, is the same code
-    on the same kind of input). Rounding errors of an n-term fp32 sum grow like ``sqrt(n) * u``
-    (``u = 2^-24``) times ``sum|h_i w_i|``; the two orders differ by at most twice that. For
-    these zero-mean random weights ``sum|h_i w_i|`` is about ``sqrt(n)`` times ``|C|`` (the
-    cancellation of n random terms); the hidden RMSNorm and the per-head K RMSNorm each at most
-    double a relative error, and the V projection does not amplify it. Relative to the largest
-    element: ``2 * sqrt(n) * u * sqrt(n) * 4 = 8 * n * u``, about 9.2e-5 (seen: 4.5e-7). A wrong
-    head, token or layer gives an O(1) relative difference.
-    """
-    n = len(models.TARGET_LAYER_IDS) * models.HIDDEN
-    return 8 * n * 2.0**-24 * float(reference.abs().max())
+    return read_dumps(llama["dump"], prefix, tp_rank)
 
 
 @pytest.mark.parametrize("pp", ["c", "e"])
@@ -216,7 +194,7 @@ def test_decode_draft_kv_after_pp2_prefill_equals_pp1_prefill(llama, outputs, pp
                 assert ref.shape == got.shape == (2, n_prompt, 2, models.HEAD_DIM)
                 assert float(ref.abs().mean()) > 1e-2  # real KV, not an empty pool
                 diff = float((got - ref).abs().max())
-                assert diff <= draft_kv_tolerance(ref), (round_, i, kind, diff)
+                assert diff <= fp32_draft_kv_tolerance(ref), (round_, i, kind, diff)
 
 
 def test_decode_at_tp2_receives_exactly_its_draft_heads(llama, outputs):

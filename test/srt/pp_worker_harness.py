@@ -225,14 +225,19 @@ def pp_stage(pp_rank: int, pp_size: int, draft_dir: str):
         yield
 
 
-def non_last_stage_worker(target: CapturingTarget, draft_dir: str, dtype=torch.bfloat16):
-    """The real ``PPDFlashWorkerV2.__init__`` on a non-last stage (call inside ``pp_stage``)."""
+def non_last_stage_worker(
+    target: CapturingTarget, draft_dir: str, dtype=torch.bfloat16, draft_dtype: str = "auto"
+):
+    """The real ``PPDFlashWorkerV2.__init__`` on a non-last stage (call inside ``pp_stage``).
+    ``draft_dtype`` is the draft's ``--dtype`` (``auto``: its config's ``torch_dtype``)."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from sglang_dflash_pp.srt.speculative.dflash_pp_worker import PPDFlashWorkerV2
 
-    draft_model_config = ModelConfig(draft_dir, trust_remote_code=True, is_draft_model=True)
+    draft_model_config = ModelConfig(
+        draft_dir, trust_remote_code=True, is_draft_model=True, dtype=draft_dtype
+    )
     target.model_runner = SimpleNamespace(
         model_config=SimpleNamespace(
             hf_text_config=target_text_config(),

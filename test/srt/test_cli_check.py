@@ -3,7 +3,9 @@
 The example is resolved by the installed console script in a subprocess (the entry point users
 run); the production numbers asserted here are the deployment's facts (P TP4 x PP8 -> D TP32,
 draft 8 KV heads x 128 bf16, page 64, a 4096-token prompt), while the tool derives them from our
-modules. Further cases run ``cli.main`` in this process, sharing one sglang import.
+modules. Further cases run ``cli.main`` in this process, sharing one sglang import: refusals,
+the startup assertions past resolution (draft heads vs each side's draft TP, pool class, env
+switches), and the second example family (``qwen3-8b``).
 """
 
 from __future__ import annotations
@@ -151,6 +153,27 @@ def test_example_text_report(example_report):
         assert fragment in text, fragment
 
 
+def test_example_last_stage_draft_weight_bytes(example_report):
+    """The last P stage's draft per GPU (TP4), stock vs the KV-write-only draft it builds: by the
+    draft's shapes (h 7168; 16 of 64 query heads, 2 of 8 KV heads x 128, 4608 of 18432 MLP
+    columns per rank; 6 layers; fc over 6 features, the last stage's block over 1; bf16)."""
+    h = 7168
+    norms = 6 * (2 * h + 2 * 128) + 2 * h
+    kv = 6 * 2 * 2 * 128 * h
+    w = example_report["last_stage_draft_weights"]
+    assert (w["draft_tp"], w["fc_features"]) == (4, [5])
+    assert w["stock_bytes"] == 2 * (6 * h * h + norms + kv + 6 * (2 * 16 * 128 * h + 3 * 4608 * h))
+    assert w["kv_write_only_bytes"] == 2 * (h * h + norms + kv)
+    assert (w["stock_bytes"], w["kv_write_only_bytes"]) == (2_202_213_376, 147_004_416)
+    assert w["saved_bytes"] == w["stock_bytes"] - w["kv_write_only_bytes"]
+    from sglang_dflash_pp.tools.check_text import render
+
+    assert (
+        "Draft weights per GPU on the last P stage (draft TP4): stock 2.20 GB (2,202,213,376 B), "
+        "KV-write-only 0.15 GB (147,004,416 B" in render(example_report)
+    )
+
+
 def test_refused_pp_on_a_decode_server_via_module(tmp_path):
     """``python -m sglang_dflash_pp check -- <launch_server argv>``: the plugin's gate refuses
     DFLASH with --pp-size > 1 on a PD decode server, and check says so with exit code 3."""
@@ -283,3 +306,147 @@ def test_dense_target_classes_are_planned_with_their_capture_points(capsys, mode
     assert code == EXIT_REFUSED
     messages = " ".join(x["message"] for x in r["refusals"])
     assert "Qwen2ForCausalLM" in messages and "LlamaForCausalLM" in messages
+
+
+def test_example_draft_stand_in_has_the_checkpoint_shapes(example_report):
+    """The user's K3 draft facts (6 layers, 8 KV heads x 128, bf16, window 4096, target layers),
+    and where those are unknown z-lab/Kimi-K2.5-DFlash's (64 query heads, intermediate 18432,
+    YaRN RoPE); check reports them and evaluates the draft's construction on both sides."""
+    from sglang_dflash_pp.tools import examples
+
+    cfg = examples.load("kimi-k3").config("draft")
+    assert (
+        cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+        cfg["head_dim"], cfg["intermediate_size"], cfg["hidden_size"], cfg["torch_dtype"],
+        cfg["sliding_window"], cfg["rope_scaling"]["rope_type"],
+    ) == (6, 64, 8, 128, 18432, 7168, "bfloat16", 4096, "yarn")  # fmt: skip
+    d = example_report["draft"]
+    assert (d["num_layers"], d["query_heads"], d["kv_heads"], d["head_dim"]) == (6, 64, 8, 128)
+    rows = {(r["side"], r["check"]): r for r in example_report["startup_assertions"]}
+    for side, tp in (("P", 4), ("D", 32)):
+        row = rows[(side, "draft heads vs draft TP")]
+        assert row["ok"] is True and "64 query / 8 KV heads" in row["value"], row
+        assert f"over TP {tp}" in row["value"]
+        assert f"the draft runs at TP {tp}" in rows[(side, "draft TP layout")]["value"]
+    assert "sliding window 4,096" in rows[("P+D", "draft layer types and window")]["value"]
+    assert rows[("P", "draft KV pool class")]["value"].startswith("MHATokenToKVPool (NHD)")
+    assert all(r["ok"] is not False for r in example_report["startup_assertions"])
+
+
+def _kimi_with_draft_heads(tmp_path, heads):
+    from sglang_dflash_pp.tools import examples
+
+    ex = examples.load("kimi-k3")
+    cfg = ex.config("draft")
+    cfg["num_attention_heads"] = heads
+    d = tmp_path / f"draft{heads}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return ["check", "--decode-tp-size", "32", "--json", "--", *ex.prefill_argv(),
+            "--speculative-draft-model-path", str(d)], str(d / "config.json")  # fmt: skip
+
+
+def test_56_head_draft_is_refused_for_the_tp32_decode(capsys, tmp_path):
+    """The stand-in's old 56 query heads: resolution of both servers succeeds, but the TP32
+    decode's DFlashAttention would assert (test_startup_assertions checks that against stock)."""
+    argv, config = _kimi_with_draft_heads(tmp_path, 56)
+    code, r = _main_json(capsys, argv)
+    assert code == EXIT_REFUSED and r["accepted"] is False
+    assert r["prefill"]["resolved"] and r["decode"]["resolved"]
+    (refusal,) = r["refusals"]
+    assert refusal["source"].startswith("D startup: draft heads vs draft TP")
+    msg = refusal["message"]
+    for fragment in (
+        "the decode server builds the DFlash draft at TP 32 (--tp-size 32",
+        "56 query heads are not divisible by TP 32",
+        "models/dflash.py:215-229",
+        f"num_attention_heads (now 56) is a multiple of 32 (e.g. 64) in {config}",
+        "--attn-dp-size 4 --enable-dp-lm-head",
+    ):
+        assert fragment in msg, (fragment, msg)
+    rows = {(x["side"], x["check"]): x for x in r["startup_assertions"]}
+    assert rows[("P", "draft heads vs draft TP")]["ok"] is True  # 56 = 4 x 14 on P
+    assert rows[("D", "draft heads vs draft TP")]["ok"] is False
+
+
+def test_the_suggested_attention_dp_fix_is_accepted(tmp_path):
+    """The refusal's own suggestion, applied to the decode: with attention DP 4 the draft runs in
+    its attention-TP group of 8 (sglang's placement), where 56 query heads divide."""
+    from sglang_dflash_pp.tools.check import CheckInputs, run_check
+
+    argv, _ = _kimi_with_draft_heads(tmp_path, 56)
+    launch = argv[argv.index("--") + 1 :]
+    r = run_check(CheckInputs(
+        prefill_argv=launch, decode_tp=32, prompt_tokens=4096, label="56 heads, D attention DP",
+        decode_extra_argv=["--attn-dp-size", "4", "--enable-dp-lm-head"],
+    ))  # fmt: skip
+    assert r["accepted"], r["refusals"]
+    rows = {(x["side"], x["check"]): x for x in r["startup_assertions"]}
+    assert "the draft runs at TP 8" in rows[("D", "draft TP layout")]["value"]
+    assert r["draft_kv"]["decode"]["tp_size"] == 8 and r["draft_kv"]["decode"]["heads_per_rank"] == 1
+
+
+def test_64_head_draft_is_accepted_for_the_tp32_decode(capsys, tmp_path):
+    argv, _ = _kimi_with_draft_heads(tmp_path, 64)
+    code, r = _main_json(capsys, argv)
+    assert code == 0 and r["accepted"], r["refusals"]
+
+
+def test_qwen3_example_is_planned(capsys):
+    """Second family: Qwen3-8B with z-lab/Qwen3-8B-DFlash-b16's shapes, P TP2 x PP2 -> D TP4."""
+    code, r = _main_json(capsys, ["check", "--example", "qwen3-8b", "--json"])
+    assert code == 0 and r["accepted"], r["refusals"]
+    assert r["capture_convention"]["target_class"] == "Qwen3ForCausalLM"
+    assert r["partition"]["layers_per_stage"] == [18, 18]
+    # ids 1, 9, 17, 25, 33, captured at the input of layers 2, 10 | 18, 26, 34
+    assert [s["captured_layers"] for s in r["stages"]] == [[1, 9], [17, 25, 33]]
+    assert r["carry"]["partial_bytes_per_token_per_hop"] == 4096 * 4
+    k = r["draft_kv"]
+    assert (k["prefill"]["heads_per_rank"], k["decode"]["heads_per_rank"]) == (4, 2)
+    # 5 layers x (K, V) x 256 pages x 16 tokens x 2 heads x 128 x 2 B per decode rank
+    assert {d["bytes"] for d in k["decode_ranks"]} == {10 * 256 * 16 * 2 * 128 * 2}
+    rows = {(x["side"], x["check"]): x for x in r["startup_assertions"]}
+    target = rows[("D", "target heads vs attention TP")]
+    assert "32 query / 8 KV heads over attention TP 4" in target["value"], target
+    staging = rows[("P+D", "staging buffer")]
+    assert "head-sliced" in staging["value"] and staging["ok"] is True
+
+
+def test_qwen3_decode_tp_beyond_the_heads_is_refused_on_draft_and_target(capsys):
+    code, r = _main_json(capsys, ["check", "--example", "qwen3-8b", "--decode-tp-size", "64",
+                                  "--json"])  # fmt: skip
+    assert code == EXIT_REFUSED
+    sources = {x["source"].split(" (")[0] for x in r["refusals"]}
+    assert "D startup: draft heads vs draft TP" in sources, sources
+    assert "D startup: target heads vs attention TP" in sources, sources
+    target = next(x["message"] for x in r["refusals"] if "target heads" in x["source"])
+    assert "32 query heads are not divisible by TP 64" in target and "models/qwen3.py" in target
+
+
+def test_env_switches_that_break_the_pp_path_are_refused(capsys, monkeypatch):
+    monkeypatch.setenv("SGLANG_PP_SKIP_PURE_CHUNKED_OUTPUT_COMM", "1")
+    code, r = _main_json(capsys, ["check", "--example", "kimi-k3", "--json"])
+    assert code == EXIT_REFUSED
+    (hit,) = [x for x in r["refusals"] if "SGLANG_PP_SKIP_PURE_CHUNKED_OUTPUT_COMM" in x["message"]]
+    assert "Unset SGLANG_PP_SKIP_PURE_CHUNKED_OUTPUT_COMM" in hit["message"]
+
+
+def test_staging_buffer_and_hnd_pool_refused_only_where_they_break_the_transfer(
+    capsys, monkeypatch
+):
+    """A plain-MHA target (Qwen3) at another attention TP goes through the staging copy, which
+    carries no draft heads; Kimi-K3 (hybrid MLA) sends whole pages. An HND draft pool cannot be
+    read head by head at another draft TP."""
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "1")
+    code, r = _main_json(capsys, ["check", "--example", "qwen3-8b", "--json"])
+    assert code == EXIT_REFUSED
+    (hit,) = [x for x in r["refusals"] if "staging buffer" in x["source"]]
+    assert "Unset SGLANG_DISAGG_STAGING_BUFFER on both servers" in hit["message"]
+    code, r = _main_json(capsys, ["check", "--example", "kimi-k3", "--json"])
+    assert code == 0, r["refusals"]
+    monkeypatch.delenv("SGLANG_DISAGG_STAGING_BUFFER")
+    monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
+    code, r = _main_json(capsys, ["check", "--example", "qwen3-8b", "--json"])
+    assert code == EXIT_REFUSED
+    (hit,) = [x for x in r["refusals"] if "draft KV pool class" in x["source"]]
+    assert "SGLANG_USE_HND_KVCACHE" in hit["message"] and "(2)" in hit["message"]

@@ -175,6 +175,21 @@ def test_pp_spec_env_is_refused(sglang_with_plugin, model_dirs, monkeypatch):
     assert "unset it" in error and "SGLANG_ENABLE_PP_SPEC" in error, error
 
 
+def test_skip_pure_chunked_output_comm_env_is_refused(sglang_with_plugin, model_dirs, monkeypatch):
+    """Stock skips the PP output relay of a lone middle chunk under this switch; the last
+    stage's draft state then never arrives. Refused at startup, naming the variable; "0" and
+    PP1 are untouched."""
+    monkeypatch.setenv("SGLANG_PP_SKIP_PURE_CHUNKED_OUTPUT_COMM", "1")
+    error = _error(resolve(_args(model_dirs)))
+    assert "Unset SGLANG_PP_SKIP_PURE_CHUNKED_OUTPUT_COMM" in error, error
+    assert "--pp-size 2" in error, error
+    dense = _error(resolve(_dense_args(model_dirs)))
+    assert "SGLANG_PP_SKIP_PURE_CHUNKED_OUTPUT_COMM" in dense, dense
+    assert "resolved" in resolve(_args(model_dirs, pp_size=1))
+    monkeypatch.setenv("SGLANG_PP_SKIP_PURE_CHUNKED_OUTPUT_COMM", "0")
+    assert "resolved" in resolve(_args(model_dirs))
+
+
 def test_launch_time_check_accepts_dflash_and_keeps_common_pp_asserts(sglang_with_plugin):
     """``check_pipeline_parallel_compat`` on a config-shaped object, as check_server_args calls it."""
     from types import SimpleNamespace

@@ -12,7 +12,11 @@ From the prefill's launch arguments (or the packaged Kimi-K3 example) and the de
 3. the draft-KV geometry on both sides, the writer map, and one request's bytes and descriptors
    per rank (``tools.draft_kv_report``, i.e. the plugin's registration verdict and descriptor
    builders);
-4. every refusal, with its message. The exit code is non-zero when anything would be refused.
+4. every startup assertion computable from the configs and both servers' arguments that fires
+   after resolution, while a server builds its draft, pool or transfer registrations
+   (``tools.startup_assertions``: draft heads vs each side's draft TP, target heads, draft layer
+   types and window, page size, draft pool class, carry dtype, the PP-path env switches);
+5. every refusal, with its message. The exit code is non-zero when anything would be refused.
 
 Numbers come from those modules; this file only gathers inputs and collects outcomes.
 """
@@ -44,6 +48,8 @@ class CheckInputs:
     prompt_tokens: int
     label: str
     carry_dtype: Optional[str] = None  # None: SGLANG_DFLASH_PP_CARRY_DTYPE, as the server reads it
+    # Appended to the derived decode arguments (e.g. ["--attn-dp-size", "4"]).
+    decode_extra_argv: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -119,11 +125,13 @@ def _check(inputs: CheckInputs, dirs: ConfigDirs) -> dict:
     if page_size is None:
         page_size = 1
         out["notes"].append("page size not resolved (startup refused); assumed 1")
-    d = resolve(_decode_argv(p, inputs.decode_tp, page_size))
+    d = resolve(_decode_argv(p, inputs.decode_tp, page_size) + list(inputs.decode_extra_argv))
     out["decode"] = dict(_side(d), tp_size=inputs.decode_tp)
     if not d.ok:
         refusals.add("decode startup (derived decode arguments, plugin loaded)", d.error)
-    _draft_kv(inputs, p, models, int(page_size), out, refusals)
+    _startup_assertions(p, d, models, int(page_size), out, refusals)
+    _draft_kv(inputs, p, d, models, int(page_size), out, refusals)
+    _last_stage_draft_weights(p, ownership, models, out)
     out["notes"] += _platform_notes(p)
     return _finish(out, refusals)
 
@@ -183,6 +191,7 @@ class _Models:
     target_dtype_bytes: int
     draft_layers: int
     draft_model_config: Any
+    target_is_mla: bool  # MLA or hybrid-MLA target: sglang sends its KV as whole pages
 
     @property
     def target_summary(self) -> dict:
@@ -199,6 +208,8 @@ class _Models:
             architectures=list(getattr(self.draft_hf, "architectures", None) or []),
             num_layers=self.draft_layers,
             hidden_size=self.hidden,
+            query_heads=int(self.draft_hf.num_attention_heads),
+            intermediate_size=int(getattr(self.draft_hf, "intermediate_size", 0) or 0),
             kv_heads=int(mc.get_total_num_kv_heads()),
             head_dim=int(mc.head_dim),
             v_head_dim=int(getattr(mc, "v_head_dim", None) or mc.head_dim),
@@ -234,6 +245,7 @@ def _load_models(p: Resolution) -> _Models:
         target_dtype_bytes=target_mc.dtype.itemsize,
         draft_layers=parse_dflash_draft_config(draft_hf_config=draft_hf).require_num_layers(),
         draft_model_config=draft_mc,
+        target_is_mla=target_mc.attention_arch.name == "MLA",
     )
 
 
@@ -322,7 +334,30 @@ def _carry(inputs: CheckInputs, ownership, models: _Models, out: dict, refusals:
     )
 
 
-def _draft_kv(inputs, p: Resolution, models: _Models, page_size: int, out: dict, refusals) -> None:
+def _startup_assertions(p, d, models: _Models, page_size: int, out: dict, refusals) -> None:
+    from sglang_dflash_pp.tools.startup_assertions import evaluate
+
+    try:
+        rows = evaluate(
+            p,
+            d,
+            target_hf=models.target_hf,
+            draft_hf=models.draft_hf,
+            draft_layers=models.draft_layers,
+            target_is_mla=models.target_is_mla,
+            page_size=page_size,
+            carry=out.get("carry"),
+        )
+    except Exception as e:  # a config the rules cannot read: say so, plan the rest
+        out["notes"].append(f"startup assertions not evaluated: {type(e).__name__}: {e}")
+        return
+    out["startup_assertions"] = rows.rows
+    for row in rows.refusals:
+        refusals.add(f"{row['side']} startup: {row['check']} ({row['source']})", row["refusal"])
+
+
+def _draft_kv(inputs, p: Resolution, d: Resolution, models: _Models, page_size: int, out: dict,
+              refusals) -> None:  # fmt: skip
     from sglang.srt.environ import envs
 
     from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
@@ -331,6 +366,7 @@ def _draft_kv(inputs, p: Resolution, models: _Models, page_size: int, out: dict,
         DraftKVShape,
     )
     from sglang_dflash_pp.tools.draft_kv_report import DraftKVTopology, report
+    from sglang_dflash_pp.tools.startup_assertions import side_parallel
 
     try:
         mooncake_draft_kv.check_environment()
@@ -354,8 +390,8 @@ def _draft_kv(inputs, p: Resolution, models: _Models, page_size: int, out: dict,
             shape=shape,
             num_layers=models.draft_layers,
             page_size=page_size,
-            prefill_tp=_prefill_draft_tp(p),
-            decode_tp=inputs.decode_tp,
+            prefill_tp=side_parallel(p).draft_tp.size,
+            decode_tp=side_parallel(d).draft_tp.size,
             pp_size=int(p.value("pp_size", 1)),
         )
         rep = report(
@@ -381,6 +417,32 @@ def _draft_kv(inputs, p: Resolution, models: _Models, page_size: int, out: dict,
     out["draft_kv"] = rep
 
 
+def _last_stage_draft_weights(p: Resolution, ownership, models: _Models, out: dict) -> None:
+    """Draft weight bytes per GPU on the last P stage: the stock draft vs the KV-write-only draft
+    that stage builds (``kv_write_draft``; figures from ``draft_weight_bytes``)."""
+    from sglang_dflash_pp.srt.models.draft_weight_bytes import last_stage_draft_weight_bytes
+    from sglang_dflash_pp.tools.startup_assertions import side_parallel
+
+    if ownership is None or int(p.value("pp_size", 1)) < 2:
+        return
+    draft_tp = side_parallel(p).draft_tp.size
+    last = ownership.stages[-1].features
+    figures = last_stage_draft_weight_bytes(
+        models.draft_hf,
+        tp_size=draft_tp,
+        num_features=ownership.num_features,
+        last_stage_features=len(last),
+        dtype=str(models.draft_model_config.dtype),
+    )
+    out["last_stage_draft_weights"] = dict(
+        draft_tp=draft_tp,
+        fc_features=list(last),
+        stock_bytes=figures.stock,
+        kv_write_only_bytes=figures.kv_write_only,
+        saved_bytes=figures.saved,
+    )
+
+
 def _draft_kv_dtype(p: Resolution, models: _Models):
     """The draft pool's element type, as the draft worker configures it."""
     from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
@@ -395,21 +457,6 @@ def _draft_kv_dtype(p: Resolution, models: _Models):
         speculative_draft_kv_cache_dtype=p.value("speculative_draft_kv_cache_dtype"),
     )
     return dtype
-
-
-def _prefill_draft_tp(p: Resolution) -> int:
-    """The prefill's draft attention TP: the attention-TP group, or the whole TP group under
-    attention CP without DP (``runtime_context.draft_attn_parallel_group``)."""
-    if not p.ok:
-        return int(p.value("tp_size", 1))
-    from sglang.srt.arg_groups.overrides import resolved_view
-    from sglang.srt.runtime_context import parallel_widths_of
-
-    view = resolved_view(p.server_args)
-    widths = parallel_widths_of(view)
-    if int(view.attn_cp_size) > 1 and widths["attn_dp_size"] == 1:
-        return int(view.tp_size)
-    return int(widths["attn_tp_size"])
 
 
 def _platform_notes(p: Resolution) -> List[str]:

@@ -26,6 +26,10 @@ def render(rep: dict) -> str:
         out += _carry(rep["carry"])
     if "draft_kv" in rep:
         out += _draft_kv(rep["draft_kv"])
+    if "last_stage_draft_weights" in rep:
+        out += _last_stage_draft_weights(rep["last_stage_draft_weights"])
+    if "startup_assertions" in rep:
+        out += _startup_assertions(rep["startup_assertions"])
     for note in rep.get("notes", []):
         out.append(f"note: {note}")
     classes = rep.get("accepted_target_classes") or {}
@@ -92,12 +96,23 @@ def _stages(rep: dict) -> List[str]:
             feats += "; norm + draft KV"
         layers = f"[{s['layers'][0]}, {s['layers'][1]})"
         lines.append(
-            f"  {s['stage']:<6} {layers:<11} {feats:<27}"
+            f"  {s['stage']:<6} {layers:<11} {feats:<26} "
             f"{'partial' if s['receives_partial'] else '-':<10}"
             f"{'partial' if s['sends_partial'] else '-'}"
         )
     lines.append("")
     return lines
+
+
+def _last_stage_draft_weights(w: dict) -> List[str]:
+    gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+    return [
+        f"Draft weights per GPU on the last P stage (draft TP{w['draft_tp']}): stock "
+        f"{gb(w['stock_bytes'])} ({w['stock_bytes']:,} B), KV-write-only "
+        f"{gb(w['kv_write_only_bytes'])} ({w['kv_write_only_bytes']:,} B: K/V projections, "
+        f"norms, fc block of features {w['fc_features']}); saved {gb(w['saved_bytes'])}",
+        "",
+    ]
 
 
 def _carry(c: dict) -> List[str]:
@@ -161,6 +176,22 @@ def _draft_kv(k: dict) -> List[str]:
         )
         + (" ..." if len(pr) > 4 else "")
     )
+    lines.append("")
+    return lines
+
+
+VERDICT = {True: "ok", False: "REFUSED", None: "unknown"}
+
+
+def _startup_assertions(rows) -> List[str]:
+    lines = [
+        "Startup assertions past argument resolution (model, pool and transfer setup; each "
+        "mirrors a stock sglang 0.5.23 assertion or a plugin refusal):"
+    ]
+    for r in rows:
+        lines.append(
+            f"  {VERDICT[r['ok']]:<8} {r['side']:<4} {r['check']}: {r['value']}  [{r['source']}]"
+        )
     lines.append("")
     return lines
 

@@ -2,8 +2,8 @@
 
 Each is a target ``config.json``, a draft ``config.json`` (shape stand-ins, no weights; see the
 README next to them) and ``topology.json``: the prefill's launch arguments without the model
-paths, the page size, the decode TP size and a prompt length. ``check --example`` and
-``preflight`` read them, so the example runs on a fresh machine.
+paths, the page size, the decode TP size and a prompt length. ``check --example`` reads them
+(``preflight`` the Kimi-K3 one), so the examples run on a fresh machine.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-NAMES = {"kimi-k3": "kimi_k3"}
+NAMES = {"kimi-k3": "kimi_k3", "qwen3-8b": "qwen3_8b"}
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,9 @@ Upstream refuses the combination in two places:
   the algorithm reads ``DSPARK``, whose PP branch (PD prefill, no ``SGLANG_ENABLE_PP_SPEC``) is the
   contract we share; the common PP assertions (overlap off, ``--min-free-slots-delay``) still run.
 
+Both hooks also refuse ``SGLANG_PP_SKIP_PURE_CHUNKED_OUTPUT_COMM``: stock skips the PP output
+relay of a lone middle chunk, and DFLASH's draft state would never reach the last stage.
+
 Everything is decided before serving, because under PP an exception on one stage leaves the other
 stages blocked in their receive forever. With ``pp_size == 1`` or another algorithm both hooks call
 the original untouched.
@@ -50,9 +53,35 @@ def _is_dflash(algorithm: Any) -> bool:
     return algorithm is not None and str(algorithm).upper() == "DFLASH"
 
 
+def pp_env_switch_refusal(pp: int) -> Optional[str]:
+    """The environment switches of the stock PP path that DFLASH with ``--pp-size pp`` cannot
+    run under (``sglang-dflash-pp check`` lists them too), or None."""
+    from sglang.srt.environ import envs
+
+    if envs.SGLANG_ENABLE_PP_SPEC.get():
+        return (
+            "SGLANG_ENABLE_PP_SPEC replaces the PP relay with an EAGLE-shaped one that does not "
+            f"carry the DFLASH context partial; unset it to run DFLASH with --pp-size {pp} "
+            "on a PD prefill server."
+        )
+    # Read as envs.SGLANG_PP_SKIP_PURE_CHUNKED_OUTPUT_COMM.get() (managers/scheduler_pp_mixin.py
+    # :48-57 _pp_can_skip_output_comm). A middle chunk alone in its micro-batch then gets the
+    # synthesized result of _pp_make_skip_output_result (:946-968, no next_draft_input): our
+    # relay never runs, and `assert batch.spec_info is result.next_draft_input`
+    # (disaggregation/prefill.py:939) fails on one stage while the others wait forever.
+    if envs.SGLANG_PP_SKIP_PURE_CHUNKED_OUTPUT_COMM.get():
+        return (
+            "SGLANG_PP_SKIP_PURE_CHUNKED_OUTPUT_COMM skips the PP output relay of middle prefill "
+            "chunks, so the last stage's DFLASH draft state is never handed over and the first "
+            "such chunk crashes that stage while the others wait. Unset "
+            f"SGLANG_PP_SKIP_PURE_CHUNKED_OUTPUT_COMM (or set it to 0) to run DFLASH with "
+            f"--pp-size {pp} on a PD prefill server."
+        )
+    return None
+
+
 def serving_refusal(cfg: Any) -> Optional[str]:
     """The first reason the serving topology in ``cfg`` cannot run DFLASH with PP, or None."""
-    from sglang.srt.environ import envs
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     pp = int(cfg.pp_size)
@@ -74,12 +103,9 @@ def serving_refusal(cfg: Any) -> Optional[str]:
             f"(got {cfg.disaggregation_transfer_backend!r}): only the Mooncake path carries "
             "the draft KV head-aware from the last PP stage."
         )
-    if envs.SGLANG_ENABLE_PP_SPEC.get():
-        return (
-            "SGLANG_ENABLE_PP_SPEC replaces the PP relay with an EAGLE-shaped one that does not "
-            f"carry the DFLASH context partial; unset it to run DFLASH with --pp-size {pp} "
-            "on a PD prefill server."
-        )
+    refusal = pp_env_switch_refusal(pp)
+    if refusal:
+        return refusal
     if cfg.cuda_graph_config.prefill.backend != Backend.DISABLED:
         return (
             f"DFLASH with --pp-size {pp} does not support a PP prefill CUDA graph (requested "

@@ -9,7 +9,9 @@ itself (``[N, k_last*H]``), and the earlier stages' contribution arrives as the 
 forward, cleared in ``finally``) the hook returns ``hidden_norm(P_in + x W_last^T)`` instead, with
 the sum and the norm in fp32. Everything downstream of the projection (padding trim, fused or
 sequential per-layer K/V write, LiLiCorr anchor) stays stock. With nothing stashed the hook calls
-the original with the same arguments, so every other deployment is untouched.
+the original with the same arguments, so every other deployment is untouched; a KV-write-only
+draft (``kv_write_draft``, whose ``fc`` is the last stage's block only) refuses that instead of
+projecting the wrong width.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from sglang_dflash_pp.hooks import PluginHook
 from sglang_dflash_pp.srt.models.context_partial import finish_context
+from sglang_dflash_pp.srt.models.kv_write_draft import kv_write_only
 
 _STASH_ATTR = "_dflash_pp_last_stage_context"
 
@@ -49,6 +52,11 @@ def stashed(draft_model) -> Optional[LastStageContext]:
 def project_target_hidden_around(original, self, target_hidden, *args, **kwargs):
     context = self.__dict__.get(_STASH_ATTR)
     if context is None:
+        if kv_write_only(self) is not None:
+            raise RuntimeError(
+                "The last PP stage's KV-write-only DFlash draft holds only its own fc column "
+                "block; it projects through the PP context stash, never on its own."
+            )
         return original(self, target_hidden, *args, **kwargs)
     # The fp32 sum goes through the norm's reference implementation: the fused CUDA RMSNorm
     # kernels take the weight's dtype only.

@@ -13,7 +13,14 @@ and its KV pool on every stage, and on a non-last stage dereferences ``logits_ou
   stock forward (the ``models/dflash.py`` hook finishes it), minus the two target-embedding steps
   that cannot run where the embedding is not local, and minus the verify-sampling rehearsal (a
   prefill server never verifies); it builds its draft with the target's synchronised seed and
-  the stage-local load group (``last_stage_draft_build``: stock would deadlock here).
+  the stage-local load group (``last_stage_draft_build``: stock would deadlock here), and builds
+  it KV-write-only (``kv_write_draft``: no query rows, ``o_proj`` or MLPs, and only its own
+  ``fc`` column block), since a prefill server never runs the draft forward.
+
+Under dummy draft weights (``--speculative-draft-load-format dummy``, or ``--load-format dummy``
+when that is unset, as the draft runner resolves it) a non-last stage reads nothing from the draft
+directory: its blocks are the columns of the ``fc`` the full draft's dummy load produces
+(``dummy_draft_weights``), the values the last stage's dummy draft and a PP1 server hold too.
 
 Importing this module imports sglang's scheduler stack; the hooks import it only when a DFLASH PP
 prefill worker is actually created.
@@ -29,7 +36,7 @@ import torch
 from sglang.srt.distributed.utils import get_pp_indices
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.model_loader.weight_utils import get_pp_stage_load_group
-from sglang.srt.runtime_context import get_parallel, get_spec
+from sglang.srt.runtime_context import get_model, get_parallel, get_spec
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang.srt.speculative.draft_parallel import (
@@ -44,9 +51,11 @@ from sglang_dflash_pp.srt.models.capture_ownership import (
     capture_convention,
     compute_feature_ownership,
 )
-from sglang_dflash_pp.srt.models.context_partial import carry_dtype_from_env, fc_column_block
+from sglang_dflash_pp.srt.models.context_partial import carry_dtype_from_env
 from sglang_dflash_pp.srt.models.dflash import LastStageContext, stashed_context
 from sglang_dflash_pp.srt.models.dflash_fc_columns import load_fc_column_blocks
+from sglang_dflash_pp.srt.models.dummy_draft_weights import dummy_fc_column_blocks, is_dummy
+from sglang_dflash_pp.srt.models.kv_write_draft import kv_write_only_build, stage_fc_block
 from sglang_dflash_pp.srt.speculative.pp_stage_carry import (
     StageCarry,
     inbound_partial,
@@ -82,6 +91,12 @@ def stage_ownership(target_worker) -> FeatureOwnership:
     return compute_feature_ownership(stage_layers, ids, num_layers, convention)
 
 
+def draft_load_format():
+    """The draft's load format as its model runner resolves it: its own flag, else the target's."""
+    own = get_spec().speculative_draft_load_format
+    return own if own is not None else get_model().load_format
+
+
 def _local_draft_dir(path: str, revision: Optional[str]) -> str:
     if os.path.isdir(path):
         return path
@@ -102,11 +117,11 @@ class PPDFlashWorkerV2(DFlashWorkerV2):
         self._carry_dtype = carry_dtype_from_env()
         self._hosts_draft = self._carry.is_last
         if self._hosts_draft:
-            with last_stage_draft_build(get_pp_stage_load_group(), target_worker.random_seed):
+            with last_stage_draft_build(
+                get_pp_stage_load_group(), target_worker.random_seed
+            ), kv_write_only_build(self._carry.features):
                 super().__init__(server_args, gpu_id, nccl_port, target_worker)
-            self._w_stage = fc_column_block(
-                self.draft_model.fc.weight, self._carry.features, hidden
-            )
+            self._w_stage = stage_fc_block(self.draft_model, self._carry.features, hidden)
         else:
             BaseSpecWorker.__init__(self)
             self.server_args = server_args
@@ -125,7 +140,7 @@ class PPDFlashWorkerV2(DFlashWorkerV2):
                 ),
                 collapse_cp=True,
             )
-            self._w_stage = self._load_stage_columns(ownership, hidden)
+            self._w_stage = self._load_stage_columns(ownership, hidden, draft_model_config)
         if get_parallel().tp_rank == 0:
             logger.info(
                 "DFLASH PP stage %d/%d: features %s; carry in: %s; carry out: %s; %s.",
@@ -134,17 +149,26 @@ class PPDFlashWorkerV2(DFlashWorkerV2):
                 list(self._carry.features),
                 "yes" if self._carry.receives else "none",
                 str(self._carry_dtype).replace("torch.", "") if self._carry.sends else "none",
-                "hosts the draft" if self._hosts_draft else "no draft",
+                "hosts the KV-write-only draft" if self._hosts_draft else "no draft",
             )
 
-    def _load_stage_columns(self, ownership, hidden) -> Optional[torch.Tensor]:
+    def _load_stage_columns(self, ownership, hidden, draft_model_config) -> Optional[torch.Tensor]:
         if not self._carry.features:
             return None
+        dtype = self.model_runner.model_config.dtype
+        if is_dummy(draft_load_format()):
+            block = dummy_fc_column_blocks(
+                self._carry.features,
+                hidden,
+                ownership.num_features,
+                dtype=draft_model_config.dtype,  # the dtype the last stage's fc is filled in
+                device=self.device,
+            )
+            return block.to(dtype)
         spec = get_spec()
         draft_dir = _local_draft_dir(
             spec.speculative_draft_model_path, spec.speculative_draft_model_revision
         )
-        dtype = self.model_runner.model_config.dtype
         block = load_fc_column_blocks(
             draft_dir, self._carry.features, hidden, ownership.num_features, dtype=dtype
         )
