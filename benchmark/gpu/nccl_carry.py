@@ -13,10 +13,14 @@ import argparse
 import json
 import os
 import statistics
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import provenance  # noqa: E402
 
 H, T = 7168, 8192
 # Features captured up to each hop's sender (Kimi-K3 PP8, ids 19..90 on stages 1,3,4,5,6,7).
@@ -54,7 +58,10 @@ def worker(rank, port, iters, out_path):
         if rank == 1:
             ms = statistics.median(times)
             nbytes = t.numel() * t.element_size()
-            results[name] = {"bytes": nbytes, "bytes_per_token": nbytes // T, "ms": ms, "GBps": nbytes / ms / 1e6}
+            results[name] = {
+                "bytes": nbytes, "bytes_per_token": nbytes // T, "ms": ms, "GBps": nbytes / ms / 1e6,
+                "samples_ms": times,
+            }  # fmt: skip
     if rank == 1:
         fp32 = results["partial_fp32"]["ms"]
         bf16 = results["partial_bf16"]["ms"]
@@ -62,6 +69,9 @@ def worker(rank, port, iters, out_path):
             r["time_over_partial_fp32"] = r["ms"] / fp32
             r["time_over_partial_bf16"] = r["ms"] / bf16
         payload = {
+            "provenance": provenance.record(
+                repetitions=iters, warmup=5, timed="CUDA events around dist.send / dist.recv on rank 1"
+            ),
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())),

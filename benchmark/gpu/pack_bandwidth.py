@@ -14,9 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import sys
 
 import torch
-from cuda_timing import median_ms
+from cuda_timing import samples_ms
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import provenance  # noqa: E402
 
 from sglang_dflash_pp.srt.disaggregation import draft_kv_pack_triton as fused
 from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import (
@@ -28,8 +34,13 @@ ENTRIES, P_HEADS, HEAD_DIM, PAGE = 12, 2, 128, 64
 POOL_PAGES = 2048
 
 
-def bench(fn):
-    return median_ms(fn, iters=100, warmup=20)
+ITERS, WARMUP = 100, 20
+SAMPLES: dict = {}  # label -> raw samples (ms)
+
+
+def bench(fn, label):
+    SAMPLES[label] = samples_ms(fn, iters=ITERS, warmup=WARMUP)
+    return statistics.median(SAMPLES[label])
 
 
 def main():
@@ -94,10 +105,10 @@ def main():
 
     src_flat = torch.empty(total, dtype=torch.uint8, device=dev)
     dst_flat = torch.empty(total, dtype=torch.uint8, device=dev)
-    t_copy = bench(lambda: dst_flat.copy_(src_flat))
-    t_torch = bench(run_torch)
-    t_fused = bench(run_fused)
-    t_one = bench(run_fused_one_launch)
+    t_copy = bench(lambda: dst_flat.copy_(src_flat), "d2d_copy")
+    t_torch = bench(run_torch, "torch_fallback_per_group")
+    t_fused = bench(run_fused, "triton_per_group")
+    t_one = bench(run_fused_one_launch, "triton_one_launch")
     # The kernel alone: the one-launch pack replayed from a CUDA graph (no Python, no launch gap).
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
@@ -107,7 +118,7 @@ def main():
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):
         run_fused_one_launch()
-    t_graph = bench(graph.replay)
+    t_graph = bench(graph.replay, "triton_one_launch_graph")
     sweep = {}
     for block_words in (1024, 2048, 4096, 8192, 16384):
         for num_warps in (4, 8, 16):
@@ -120,13 +131,28 @@ def main():
             g2 = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g2):
                 one()
-            sweep[f"block_words={block_words},num_warps={num_warps}"] = bench(g2.replay)
+            label = f"block_words={block_words},num_warps={num_warps}"
+            sweep[label] = bench(g2.replay, f"graph:{label}")
     copy_graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(copy_graph):
         dst_flat.copy_(src_flat)
-    t_copy_graph = bench(copy_graph.replay)
+    t_copy_graph = bench(copy_graph.replay, "d2d_copy_graph")
     gbps = lambda t: 2 * total / (t * 1e-3) / 1e9  # noqa: E731  read + write
     result = {
+        "provenance": provenance.record(
+            repetitions=ITERS,
+            warmup=WARMUP,
+            timed_sources=[
+                "python/sglang_dflash_pp/srt/disaggregation/draft_kv_pack.py",
+                "python/sglang_dflash_pp/srt/disaggregation/draft_kv_pack_triton.py",
+            ],
+            timed=(
+                "the pack functions alone on one 8192-token chunk, back to back without a stream "
+                "wait, CUDA events (time_ms are medians of samples_ms); not the send path, which "
+                "benchmark/gpu/pack_send_path.py times"
+            ),
+        ),
+        "samples_ms": SAMPLES,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "tokens": n,

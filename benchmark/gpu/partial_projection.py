@@ -23,10 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import statistics
+import sys
 
 import torch
-from cuda_timing import median_ms
+from cuda_timing import samples_ms
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import provenance  # noqa: E402
 
 from sglang_dflash_pp.srt.models.context_partial import (
     _gemm_writes_fp32,
@@ -111,8 +117,13 @@ def errors(x, ref):
     }
 
 
-def bench(fn):
-    return median_ms(fn, iters=50, warmup=10)
+ITERS, WARMUP = 50, 10
+SAMPLES: dict = {}  # label -> raw samples (ms) of the run in progress
+
+
+def bench(fn, label):
+    SAMPLES[label] = samples_ms(fn, iters=ITERS, warmup=WARMUP)
+    return statistics.median(SAMPLES[label])
 
 
 def make_data(T, g, data, dev="cuda"):
@@ -169,20 +180,27 @@ def run(T, data, seed=0):
         if mine:
             stage_inputs.append((torch.cat([feats[j] for j in mine], -1), fc_column_block(w, mine, H)))
     p_in = torch.zeros(T, H, device=dev, dtype=torch.float32)
-    single = bench(lambda: F.linear(x, w))
+    SAMPLES.clear()
+    single = bench(lambda: F.linear(x, w), "single_gemm")
     # As the stages run: the first owner has no inbound partial, later ones add theirs to it.
     per_stage = [
-        bench(lambda l=l, ws=ws, i=i: accumulate_partial(p_in if i else None, l, ws, torch.float32))
+        bench(
+            lambda l=l, ws=ws, i=i: accumulate_partial(p_in if i else None, l, ws, torch.float32),
+            f"per_stage_fp32_partials[{i}]",
+        )
         for i, (l, ws) in enumerate(stage_inputs)
     ]
-    per_stage_bf16_gemm = [bench(lambda l=l, ws=ws: F.linear(l, ws)) for l, ws in stage_inputs]
+    per_stage_bf16_gemm = [
+        bench(lambda l=l, ws=ws: F.linear(l, ws), f"per_stage_bf16_gemm[{i}]")
+        for i, (l, ws) in enumerate(stage_inputs)
+    ]
     # Alternatives for an fp32 carry: fp32-out GEMM then an in-place add; bf16 GEMM then fp32 add.
     per_stage_mm_then_add = [
-        bench(lambda l=l, ws=ws, i=i: torch.mm(l, ws.t(), out_dtype=torch.float32).add_(p_in) if i else torch.mm(l, ws.t(), out_dtype=torch.float32))
+        bench(lambda l=l, ws=ws, i=i: torch.mm(l, ws.t(), out_dtype=torch.float32).add_(p_in) if i else torch.mm(l, ws.t(), out_dtype=torch.float32), f"per_stage_fp32_mm_then_add[{i}]")
         for i, (l, ws) in enumerate(stage_inputs)
     ]
     per_stage_bf16_then_fp32_add = [
-        bench(lambda l=l, ws=ws, i=i: F.linear(l, ws).float().add_(p_in) if i else F.linear(l, ws).float())
+        bench(lambda l=l, ws=ws, i=i: F.linear(l, ws).float().add_(p_in) if i else F.linear(l, ws).float(), f"per_stage_bf16_gemm_then_fp32_add[{i}]")
         for i, (l, ws) in enumerate(stage_inputs)
     ]
     out["time_ms"] = {
@@ -194,6 +212,7 @@ def run(T, data, seed=0):
         "sum_per_stage_fp32_mm_then_add": sum(per_stage_mm_then_add),
         "sum_per_stage_bf16_gemm_then_fp32_add": sum(per_stage_bf16_then_fp32_add),
     }
+    out["samples_ms"] = dict(SAMPLES)
     out["time_ratio_fp32_partials_vs_single"] = sum(per_stage) / single
     out["time_ratio_bf16_gemms_vs_single"] = sum(per_stage_bf16_gemm) / single
     out["time_ratio_fp32_mm_then_add_vs_single"] = sum(per_stage_mm_then_add) / single
@@ -208,6 +227,12 @@ def main():
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     results = {
+        "provenance": provenance.record(
+            repetitions=ITERS,
+            warmup=WARMUP,
+            timed_sources=["python/sglang_dflash_pp/srt/models/context_partial.py"],
+            timed="CUDA events around each call; time_ms values are medians of samples_ms",
+        ),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "gemm_writes_fp32": _gemm_writes_fp32(),

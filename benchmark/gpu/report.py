@@ -1,4 +1,7 @@
-"""Render benchmark/gpu/results/*.json (measured on H200s) as the markdown table README links to.
+"""Render benchmark/gpu/results/*.json (measured on H200s) as the markdown README links to.
+
+Every figure is the median of the file's raw samples with their min-max; each section names its
+file and that file's provenance (date, commit, command, device, versions, repetitions, warm-up).
 
     python3 benchmark/gpu/report.py > benchmark/gpu/results/README.md
 """
@@ -7,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -16,61 +20,168 @@ def load(name):
         return json.load(f)
 
 
-def main():
-    pp = load("partial_projection.json")
+def med(samples, scale=1.0, fmt="{:.1f}"):
+    s = [x * scale for x in samples]
+    return f"{fmt.format(statistics.median(s))} ({fmt.format(min(s))}-{fmt.format(max(s))})"
+
+
+def summ(s, scale=1.0, fmt="{:.1f}"):
+    return f"{fmt.format(s['median'] * scale)} ({fmt.format(s['min'] * scale)}-{fmt.format(s['max'] * scale)})"
+
+
+def origin(name, p):
+    if "status" in p:
+        return [f"`{name}`: {p['status']} ({p['why_not_re_run']}). Known: {p['known']}."]
+    v = p["versions"]
+    return [
+        f"`{name}`: {p['date_utc']}, commit `{p['project']['commit'][:12]}` (tree {p['project']['tree']}), "
+        f"`{p.get('environment', '').split(' (')[0]} {p['command']}`, {p['device']}, torch {v['torch']}, "
+        f"triton {v['triton']}, NCCL {v['nccl']}, sglang {v['sglang']}; {p['repetitions']} repetitions "
+        f"after {p['warmup']} warm-up.",
+    ]
+
+
+def pack_send_path(out):
+    r = load("pack_send_path.json")
+    g = r["geometry"]
+    out += [
+        "## The shipped send path's pack, per request (Kimi-K3 TP4 -> TP32)",
+        "",
+        *origin("pack_send_path.json", r["provenance"]),
+        "",
+        f"Timed: {r['provenance']['timed']}. Not timed: {r['provenance']['not_timed']}.",
+        "",
+        f"Prefill rank {g['prefill_rank']} -> decode ranks {g['decode_ranks'][0]}..{g['decode_ranks'][-1]}, "
+        f"{g['distinct_head_slices']} distinct head slices; chunks of {g['chunked_prefill_size']} tokens; pack "
+        f"slot {g['pack_slot_bytes'] >> 20} MiB; fused Triton kernel: {g['fused_triton_kernel']}; CUDA-graph "
+        f"buckets captured: {sorted(set(g['cuda_graph_packs']))}. Wall times in microseconds, median (min-max); "
+        "ratio = copy / pack, of the medians.",
+        "",
+        "| prompt | pack steps (shared / per send) | pack, shared | copy of the same bytes | copy / pack | pack, per send | whole send path (8 decode ranks, no transfer) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for tokens, v in r["results"].items():
+        s = v["summary_s"]
+        out.append(
+            f"| {tokens} | {v['pack_steps_per_request']['shared']} / {v['pack_steps_per_request']['per_send']} | "
+            f"{summ(s['pack_shared'], 1e6)} | {summ(s['copy'], 1e6)} | "
+            f"{v['copy_over_pack_shared']['of_medians']:.2f} | {summ(s['pack_per_send'], 1e6)} | "
+            f"{summ(s['send_shared'], 1e6, '{:.0f}')} |"
+        )
+    out += [
+        "",
+        "What bounds it, first chunk of each prompt: the shipped pack graph replayed and waited for "
+        "alone, and the copy, right after other GPU work and after 5 ms of GPU idleness (the pack "
+        "step of the send path follows the host's work on the previous chunk's descriptors); and "
+        "each as GPU time alone (CUDA graph, CUDA events). Microseconds, median (min-max).",
+        "",
+        "| prompt | pack, GPU busy | copy, GPU busy | copy / pack | pack, after 5 ms idle | copy, after 5 ms idle | copy / pack | kernel alone: pack | kernel alone: copy | copy / pack |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for tokens, v in r["results"].items():
+        b = v["wall_bound_first_chunk"]
+        k = v["kernel_alone_first_chunk_graph_ms"]
+        ratio = lambda c, p: c["median"] / p["median"]  # noqa: E731
+        out.append(
+            f"| {tokens} | {summ(b['pack_graph_replay_busy_s'], 1e6)} | {summ(b['copy_busy_s'], 1e6)} | "
+            f"{ratio(b['copy_busy_s'], b['pack_graph_replay_busy_s']):.2f} | "
+            f"{summ(b['pack_graph_replay_after_5ms_idle_s'], 1e6)} | {summ(b['copy_after_5ms_idle_s'], 1e6)} | "
+            f"{ratio(b['copy_after_5ms_idle_s'], b['pack_graph_replay_after_5ms_idle_s']):.2f} | "
+            f"{summ(k['pack'], 1e3)} | {summ(k['copy'], 1e3)} | {ratio(k['copy'], k['pack']):.2f} |"
+        )
+    out.append("")
+
+
+def pack_bandwidth(out):
     pack = load("pack_bandwidth.json")
-    nccl = load("nccl_carry.json")
-    out = [
-        "# H200 measurements",
+    smp = pack["samples_ms"]
+    n = pack["bytes_packed"]
+    gbps = lambda label: med([2 * n / (t * 1e-3) / 1e9 for t in smp[label]], fmt="{:.0f}")  # noqa: E731
+    ratio = lambda a, b: statistics.median(smp[a]) / statistics.median(smp[b])  # noqa: E731
+    out += [
+        f"## The pack functions alone, {pack['tokens']} tokens, {pack['entries']} entries",
         "",
-        "Raw results: `partial_projection.json`, `pack_bandwidth.json`, `nccl_carry.json` (scripts in",
-        "`benchmark/gpu/`). Each table is one run.",
+        *origin("pack_bandwidth.json", pack["provenance"]),
         "",
-        f"## Partial projection, H = 7168, 6 features on PP8 stages 1,3,4,5,6,7 ({pp['device']}, torch {pp['torch']})",
+        f"{n / 2**20:.0f} MiB packed (both head groups), calls back to back without waiting (not the "
+        "send path); GB/s count read + write, median (min-max) of the samples; ratio = copy / pack of "
+        f"the median times. Packed bytes equal between the Triton kernel and the torch fallback: "
+        f"{pack['packed_equal_torch_vs_fused']} (one launch: {pack['packed_equal_torch_vs_fused_one_launch']}), "
+        f"and against an independent gather: {pack['packed_equal_reference']}.",
         "",
-        "Relative Frobenius error against an fp64 reference, as a ratio to the stock single GEMM's error,",
-        "for the normalised context and one draft layer's K (K-norm + RoPE) and V; then the time of",
-        "the six per-stage projections summed over the single fused GEMM.",
+        "| implementation | GB/s | copy / pack |",
+        "|---|---|---|",
+        f"| device-to-device copy (eager) | {gbps('d2d_copy')} | 1.00 |",
+        f"| torch fallback, one index_select per entry, per head group | {gbps('torch_fallback_per_group')} | {ratio('d2d_copy', 'torch_fallback_per_group'):.2f} |",
+        f"| Triton, one eager launch per head group | {gbps('triton_per_group')} | {ratio('d2d_copy', 'triton_per_group'):.2f} |",
+        f"| Triton, one eager launch for both groups | {gbps('triton_one_launch')} | {ratio('d2d_copy', 'triton_one_launch'):.2f} |",
+        f"| Triton kernel alone (CUDA graph) vs copy (CUDA graph) | {gbps('triton_one_launch_graph')} | {ratio('d2d_copy_graph', 'triton_one_launch_graph'):.2f} |",
+        "",
+    ]
+
+
+def partial_projection(out):
+    pp = load("partial_projection.json")
+    out += [
+        "## Partial projection, H = 7168, 6 features on PP8 stages 1,3,4,5,6,7",
+        "",
+        *origin("partial_projection.json", pp["provenance"]),
+        "",
+        "Relative Frobenius error against an fp64 reference, as a ratio to the stock single GEMM's "
+        "error (deterministic: one value), for the normalised context and one draft layer's K "
+        "(K-norm + RoPE) and V; then the time of the six per-stage projections summed over the "
+        "single fused GEMM: median (min-max) of the sample-wise ratios.",
         "",
         "| data | T | bf16 carry | fp32 carry, bf16 partials | **fp32 carry, fp32 partials (ours)** | time: ours / single | time: bf16 GEMMs only / single |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in pp["runs"]:
         v = r["variants"]
+        s = r["samples_ms"]
         cell = lambda n: "ctx {ctx:.2f}x, K {k:.2f}x, V {v:.2f}x".format(**v[n]["ratio_to_stock"])  # noqa: E731
+
+        def ratio(prefix):
+            stages = [k for k in s if k.startswith(prefix + "[")]
+            per = [sum(s[k][i] for k in stages) / s["single_gemm"][i] for i in range(len(s["single_gemm"]))]
+            return med(per, fmt="{:.3f}")
+
         out.append(
             f"| {r['data']} | {r['T']} | {cell('pp_bf16_carry')} | {cell('pp_fp32_carry_bf16_partials')} | "
-            f"{cell('pp_fp32_carry')} | {r['time_ratio_fp32_partials_vs_single']:.3f} | "
-            f"{r['time_ratio_bf16_gemms_vs_single']:.3f} |"
+            f"{cell('pp_fp32_carry')} | {ratio('per_stage_fp32_partials')} | {ratio('per_stage_bf16_gemm')} |"
         )
-    bw = pack["bandwidth_GBps_read_plus_write"]
-    ratio = pack["ratio_to_copy"]
+    out.append("")
+
+
+def nccl_carry(out):
+    nccl = load("nccl_carry.json")
     out += [
-        "",
-        f"## Pack-on-source, TP4 -> TP32 draft geometry, {pack['tokens']} tokens, {pack['entries']} entries ({pack['device']})",
-        "",
-        f"{pack['bytes_packed'] / 2**20:.0f} MiB packed (both head groups); bandwidth counts read + write.",
-        f"Packed bytes equal between the Triton kernel and the torch fallback: {pack['packed_equal_torch_vs_fused']}"
-        f" (one launch: {pack['packed_equal_torch_vs_fused_one_launch']}), and against an independent gather:"
-        f" {pack['packed_equal_reference']}.",
-        "",
-        "| implementation | GB/s | / device-to-device copy |",
-        "|---|---|---|",
-        f"| device-to-device copy (eager) | {bw['d2d_copy']:.0f} | 1.00 |",
-        f"| torch fallback, one index_select per entry, per head group | {bw['torch_fallback_per_group']:.0f} | {ratio['torch_fallback_per_group']:.2f} |",
-        f"| Triton, one launch per head group (eager) | {bw['triton_per_group']:.0f} | {ratio['triton_per_group']:.2f} |",
-        f"| Triton, one launch for both groups (eager) | {bw['triton_one_launch']:.0f} | {ratio['triton_one_launch']:.2f} |",
-        f"| Triton kernel alone (CUDA graph) vs copy (CUDA graph) | {bw['triton_one_launch_graph']:.0f} | {ratio['triton_one_launch_graph_vs_copy_graph']:.2f} |",
-        "",
         f"## NCCL send/recv between two H200s of one host, T = {nccl['T']} (NCCL {nccl['nccl']})",
         "",
-        "| payload | B/token | ms | GB/s | time / fp32 partial |",
+        *origin("nccl_carry.json", nccl["provenance"]),
+        "",
+        "| payload | B/token | ms (median) | GB/s | time / fp32 partial |",
         "|---|---|---|---|---|",
     ]
     for name, r in nccl["payloads"].items():
         out.append(
             f"| {name} | {r['bytes_per_token']:,} | {r['ms']:.3f} | {r['GBps']:.0f} | {r['time_over_partial_fp32']:.2f} |"
         )
+    out.append("")
+
+
+def main():
+    out = [
+        "# H200 measurements",
+        "",
+        "Raw results with provenance and raw samples: `pack_send_path.json`, `pack_bandwidth.json`,",
+        "`partial_projection.json`, `nccl_carry.json` (scripts in `benchmark/gpu/`; this page is",
+        "`python3 benchmark/gpu/report.py`).",
+        "",
+    ]
+    pack_send_path(out)
+    pack_bandwidth(out)
+    partial_projection(out)
+    nccl_carry(out)
     print("\n".join(out))
 
 

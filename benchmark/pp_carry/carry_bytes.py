@@ -12,12 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from sglang.srt.distributed.utils import get_pp_indices
 
 from sglang_dflash_pp.tools import carry_table as carry_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+import provenance  # noqa: E402
 
 
 def carry_table(num_layers, pp_size, target_layer_ids, hidden, model_dtype_bytes=2):
@@ -70,7 +73,19 @@ def main():
     args = parser.parse_args()
     ids = [int(x) for x in args.target_layer_ids.split(",")]
     table = carry_table(args.num_layers, args.pp_size, ids, args.hidden)
-    text = markdown(table)
+    table["provenance"] = provenance.record(
+        repetitions=1,
+        warmup=0,
+        timed_sources=["python/sglang_dflash_pp/tools/carry_table.py"],
+        measured="byte counts computed from sglang's partition and the ownership rule "
+        "(deterministic: no timing, so no samples)",
+    )
+    p = table["provenance"]
+    text = markdown(table) + (
+        f"\n\nComputed {p['date_utc']} at commit {p['project']['commit'][:12]} (tree "
+        f"{p['project']['tree']}) by `{p['command']}` with sglang {p['versions']['sglang']}; raw "
+        f"values and provenance: [`{args.name}.json`]({args.name}.json)."
+    )
     print(text)
     out = os.path.join(HERE, "results")
     os.makedirs(out, exist_ok=True)

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import json
 import os
-import select
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
+
+from sglang_dflash_pp.tools.peer_process import PeerProcess, write_message
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -68,24 +67,19 @@ def global_target_kv(entry: int) -> np.ndarray:
 # -- the two peers ----------------------------------------------------------------------------
 
 
-def _reply(obj) -> None:
-    sys.stdout.write("@@" + json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
 def decode_main() -> None:
     import torch
 
     try:
         from mooncake.engine import TransferEngine
     except ImportError as e:
-        _reply({"error": f"{INSTALL_HINT} ({e})"})
+        write_message({"error": f"{INSTALL_HINT} ({e})"})
         return
     engine = TransferEngine()
     if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-        _reply({"error": INSTALL_HINT + " (initialize failed)"})
+        write_message({"error": INSTALL_HINT + " (initialize failed)"})
         return
-    _reply({"session": f"127.0.0.1:{engine.get_rpc_port()}"})
+    write_message({"session": f"127.0.0.1:{engine.get_rpc_port()}"})
     H, P, S, L = harness.H, harness.POOL_PAGES, harness.PAGE, harness.DRAFT_LAYERS
     rows = P * S + S  # sglang's size + page_size token slots
     cases = {}
@@ -122,7 +116,7 @@ def decode_main() -> None:
                     target=target, fused=fused, row_bytes=row_bytes, published=published
                 )
             cases[cmd["case"]] = ranks
-            _reply({str(r): v["published"] for r, v in ranks.items()})
+            write_message({str(r): v["published"] for r, v in ranks.items()})
         elif cmd["cmd"] == "verify":
             errors, checked = [], 0
             for r, bufs in cases[cmd["case"]].items():
@@ -160,7 +154,7 @@ def decode_main() -> None:
                             f"{bad[0]} ({where})"
                         )
                     checked += buf.size
-            _reply({"errors": errors, "checked": checked})
+            write_message({"errors": errors, "checked": checked})
 
 
 def prefill_main() -> None:
@@ -181,10 +175,10 @@ def prefill_main() -> None:
     try:
         engine = MooncakeTransferEngine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
     except Exception as e:  # ImportError or init failure
-        _reply({"error": f"{INSTALL_HINT} ({e!r})"})
+        write_message({"error": f"{INSTALL_HINT} ({e!r})"})
         return
     targets = [torch.from_numpy(global_target_kv(i).copy()) for i in range(harness.N_TARGET)]
-    _reply({"ready": True})
+    write_message({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "exit":
@@ -245,72 +239,34 @@ def prefill_main() -> None:
                     ),
                 }
                 m.failures = []
-        _reply(results)
+        write_message(results)
 
 
 # -- the test side ----------------------------------------------------------------------------
 
 
-class Peer:
+class Peer(PeerProcess):
+    """One side of the loopback: this file run with ``--decode`` or ``--prefill``."""
+
     def __init__(self, role: str, log_dir: str, timeout: float):
         env = dict(os.environ, **LOOPBACK_ENV)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))
-        self.log_path = os.path.join(log_dir, f"{role}.log")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), f"--{role}"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            env=env,
-            text=True,
-            bufsize=1,
-        )
-        self.role = role
+        argv = [sys.executable, os.path.abspath(__file__), f"--{role}"]
+        super().__init__(role, argv, env, os.path.join(log_dir, f"{role}.log"))
         self.timeout = timeout
 
     def read(self, timeout=None) -> dict:
-        deadline = time.monotonic() + (timeout or self.timeout)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{self.role} peer gave no answer; log: {self.tail()}")
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
-            if not ready:
-                continue
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(
-                    f"{self.role} peer exited ({self.proc.poll()}); log: {self.tail()}"
-                )
-            if line.startswith("@@"):
-                reply = json.loads(line[2:])
-                if "error" in reply:
-                    raise RuntimeError(f"{self.role} peer: {reply['error']}")
-                return reply
+        reply = super().read(timeout or self.timeout)
+        if "error" in reply:
+            raise RuntimeError(f"{self.name} peer: {reply['error']}")
+        return reply
 
     def ask(self, cmd: dict, timeout=None) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        self.write(cmd)
         return self.read(timeout)
 
-    def tail(self) -> str:
-        self.log.flush()
-        with open(self.log_path) as f:
-            return f.read()[-3000:]
-
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=10)
-            except Exception:
-                pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.log.close()
+        super().close({"cmd": "exit"})
 
 
 @pytest.fixture(scope="module")

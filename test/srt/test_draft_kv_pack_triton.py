@@ -59,6 +59,48 @@ for heads, dim, take, entries, rows in [
             tail_untouched=bool((b[n:] == 0).all()),
             bytes=n,
         ))
+# The send path's shape: every distinct head slice of a chunk in one call (the sources repeated,
+# one offset per slice), then the same cached table for other rows at another output offset.
+pools = [torch.randn(256, 2, 128).to(torch.bfloat16) for _ in range(12)]
+sources = [as_byte_rows(p) for p in pools]
+both = sources * 2
+offsets = [0] * 12 + [256] * 12
+for rows, at in (([5, 6, 7, 64], 0), ([100, 3, 3, 200, 9], 4096)):
+    r = torch.tensor(rows, dtype=torch.int64)
+    b = torch.zeros(at + 24 * len(rows) * 256 + 8, dtype=torch.uint8)
+    sb = fused.pack_row_slices_fused(both, r, offsets, [256] * 24, b[at:])
+    reference = torch.cat(
+        [p[r][:, h, :].contiguous().view(torch.uint8).reshape(-1) for h in (0, 1) for p in pools]
+    )
+    n = reference.numel()
+    results.append(dict(
+        case=["both slices", len(rows), at],
+        slabs_equal=sb == [e * len(rows) * 256 for e in range(24)],
+        fused_equals_fallback=bool((b[:at] == 0).all()),
+        fused_equals_reference=bool(torch.equal(b[at : at + n], reference)),
+        tail_untouched=bool((b[at + n :] == 0).all()),
+        bytes=n,
+    ))
+# The CUDA-graph form's launch: grid for a bucket of rows, the row count read on the device
+# (the graph itself needs a GPU; its launch is this one).
+pack = fused.FusedPack(both, offsets, [256] * 24, torch.device("cpu"))
+rows = [7, 1, 250, 3, 3]
+n_and_rows = torch.tensor([len(rows)] + rows + [0] * (64 - len(rows)), dtype=torch.int64)
+b = torch.zeros(24 * 64 * 256, dtype=torch.uint8)
+pack.launch(n_and_rows[1:], b, 64, n_ptr=n_and_rows)
+r = torch.tensor(rows, dtype=torch.int64)
+reference = torch.cat(
+    [p[r][:, h, :].contiguous().view(torch.uint8).reshape(-1) for h in (0, 1) for p in pools]
+)
+n = reference.numel()
+results.append(dict(
+    case=["row count on the device", len(rows), 64],
+    slabs_equal=True,
+    fused_equals_fallback=True,
+    fused_equals_reference=bool(torch.equal(b[:n], reference)),
+    tail_untouched=bool((b[n:] == 0).all()),
+    bytes=n,
+))
 print(json.dumps(results))
 """
 
@@ -70,7 +112,7 @@ def test_fused_kernel_bytes_equal_the_fallback_and_a_reference():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 2 + 4 + 1 + 4 + 2
+    assert len(results) == 2 + 4 + 1 + 4 + 2 + 2 + 1
     for r in results:
         assert r["fused_equals_fallback"] and r["fused_equals_reference"], r
         assert r["slabs_equal"] and r["tail_untouched"], r

@@ -13,7 +13,7 @@ ownership are the production ones), but hidden 64, head_dim 16 and a short promp
 
 This process only validates the geometry (the plugin's own refusals), starts the others,
 relays what one needs from another, prints progress to stderr, and always ends every child
-(``preflight_proc``). The verdict: every decode byte equals the bytes of the prefill pools it
+(``peer_process``). The verdict: every decode byte equals the bytes of the prefill pools it
 was sent from and every other byte is untouched (``byte_exact``), each decode rank received
 exactly its physical minimum with the descriptors ``check`` predicts, and the draft KV is within
 rounding of the single-process reference.
@@ -147,7 +147,7 @@ def predicted_transfer(spec: PreflightSpec) -> dict:
 def run_preflight(opts, say) -> dict:
     """The run; returns the summary (``verdict``: pass / fail), or raises :class:`Refused`."""
     from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVLayoutError
-    from sglang_dflash_pp.tools.preflight_proc import Children
+    from sglang_dflash_pp.tools.peer_process import Children
 
     t_start = time.monotonic()
     _validate(opts)
@@ -192,7 +192,7 @@ def run_preflight(opts, say) -> dict:
 def _run_processes(spec: PreflightSpec, children, say) -> dict:
     """Start the decode process and the last stage, then the other stages once the last stage
     has the partition; relay the decode's registration; collect every result."""
-    from sglang_dflash_pp.tools.preflight_proc import loopback_env
+    from sglang_dflash_pp.tools.peer_process import loopback_env
 
     env = loopback_env({"SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB": str(spec.pack_buffer_mb)})
     spec_path = spec.path(SPEC_FILE)
@@ -430,7 +430,7 @@ def _run_in_netns(argv) -> int:
     signal to this process is passed on, and the inner run cleans up its own children."""
     import subprocess
 
-    from sglang_dflash_pp.tools.preflight_proc import child_setup
+    from sglang_dflash_pp.tools.peer_process import child_setup
 
     env = dict(os.environ, **{NETNS_ENV: "1"})
     cmd = UNSHARE + [sys.executable, "-m", "sglang_dflash_pp", "preflight", *argv]

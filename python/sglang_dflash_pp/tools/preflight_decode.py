@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 import time
 
-from sglang_dflash_pp.tools import preflight_proc as proc
+from sglang_dflash_pp.tools import peer_process as proc
 from sglang_dflash_pp.tools.preflight_spec import KV_FILE, PreflightSpec
 from sglang_dflash_pp.tools.qkv_kv_heads import kv_heads_by_rank
 

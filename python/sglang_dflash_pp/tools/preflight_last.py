@@ -33,7 +33,7 @@ import time
 from types import SimpleNamespace
 from typing import Dict, List
 
-from sglang_dflash_pp.tools import preflight_proc as proc
+from sglang_dflash_pp.tools import peer_process as proc
 from sglang_dflash_pp.tools.preflight_spec import (
     KV_FILE,
     OWNERSHIP_FILE,

@@ -21,7 +21,7 @@ import json
 import sys
 import time
 
-from sglang_dflash_pp.tools import preflight_proc as proc
+from sglang_dflash_pp.tools import peer_process as proc
 from sglang_dflash_pp.tools.preflight_carry import CARRY_TAG, carry_group, recv_partial
 from sglang_dflash_pp.tools.preflight_spec import OWNERSHIP_FILE, PreflightSpec
 

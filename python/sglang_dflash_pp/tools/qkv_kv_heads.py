@@ -22,10 +22,11 @@ _HEAD_DIM = 2
 
 def _plain_tp_layout(tp_size: int, rank: int) -> dict:
     """A whole, consistent plain-TP layout (no attention DP/CP, no MoE split): the draft's
-    attention shards over the TP group; stating every width keeps sglang's topology check
-    satisfied whatever a process has published before."""
+    attention shards over the TP group; stating every width, and no process group, keeps
+    sglang's topology check satisfied whatever a process has published or built before."""
     return dict(
-        tp_group=None, tp_size=tp_size, tp_rank=rank,
+        tp_group=None, attn_tp_group=None, attn_cp_group=None, moe_ep_group=None,
+        tp_size=tp_size, tp_rank=rank,
         attn_tp_size=tp_size, attn_tp_rank=rank, attn_dp_size=1, attn_dp_rank=0,
         attn_cp_size=1, attn_cp_rank=0, moe_tp_size=tp_size, moe_ep_size=1, moe_dp_size=1,
     )  # fmt: skip

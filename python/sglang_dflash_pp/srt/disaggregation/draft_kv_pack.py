@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import queue
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 
@@ -47,8 +48,7 @@ def pack_row_slices(
     offset in ``out``; slab ``e`` is ``len(rows) x w_e`` bytes, row-major.
 
     On CUDA, uniform 8-byte-aligned slices (every bf16/fp16 draft) go through one fused Triton
-    launch (``draft_kv_pack_triton``, 0.98 of device copy bandwidth on an H200); otherwise one
-    ``index_select`` per entry.
+    launch (``draft_kv_pack_triton``); otherwise one ``index_select`` per entry.
     """
     from sglang_dflash_pp.srt.disaggregation import draft_kv_pack_triton
 
@@ -57,6 +57,23 @@ def pack_row_slices(
             sources, rows, byte_offsets, byte_widths, out
         )
     return pack_row_slices_index_select(sources, rows, byte_offsets, byte_widths, out)
+
+
+def prepared_pack(
+    sources: Sequence[torch.Tensor],
+    byte_offsets: Sequence[int],
+    byte_widths: Sequence[int],
+    out: torch.Tensor,
+) -> Optional[Callable[[torch.Tensor, torch.Tensor], List[int]]]:
+    """:func:`pack_row_slices` with its sources, offsets and widths fixed, as ``pack(rows, out)``:
+    the fused kernel's checks and table done once. None where the fused kernel does not apply
+    (call :func:`pack_row_slices` then). ``out`` is any buffer the pack will write into (for its
+    device and alignment); the send path keeps one per slot."""
+    from sglang_dflash_pp.srt.disaggregation import draft_kv_pack_triton
+
+    if not draft_kv_pack_triton.eligible(sources, byte_offsets, byte_widths, out):
+        return None
+    return draft_kv_pack_triton.FusedPack(sources, byte_offsets, byte_widths, out.device)
 
 
 def pack_row_slices_index_select(
@@ -90,6 +107,9 @@ class PackSlot:
     buffer: torch.Tensor  # flat uint8 view of this slot
     ptr: int
     stream: Optional["torch.cuda.Stream"]
+    _host_rows: Optional[torch.Tensor] = None  # pinned staging for the row indices (CUDA)
+    _device_rows: Optional[torch.Tensor] = None
+    graphed: dict = field(default_factory=dict)  # (pack, byte offset) -> GraphedPack or None
 
     @contextlib.contextmanager
     def on_stream(self) -> Iterator[None]:
@@ -100,6 +120,26 @@ class PackSlot:
         with torch.cuda.stream(self.stream):
             yield
         self.stream.synchronize()
+
+    def rows(self, token_rows: np.ndarray) -> torch.Tensor:
+        """``token_rows`` (int64) on the slot's device; call inside :meth:`on_stream`.
+
+        On CUDA through a pinned host buffer and an asynchronous copy on the slot's stream, kept
+        between packs: a pageable ``.to(device)`` blocks the host for a staged copy, which costs
+        as much as the pack itself for a few thousand tokens. The slot is held until the pack
+        is synchronised, so the next pack never overwrites rows still being read."""
+        host = torch.from_numpy(np.ascontiguousarray(token_rows, dtype=np.int64))
+        if self.stream is None:
+            return host.to(self.buffer.device)
+        n = host.numel()
+        if self._host_rows is None or self._host_rows.numel() < n:
+            size = max(n, 2 * (0 if self._host_rows is None else self._host_rows.numel()), 4096)
+            self._host_rows = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self._device_rows = torch.empty(size, dtype=torch.int64, device=self.buffer.device)
+        self._host_rows[:n].copy_(host)
+        out = self._device_rows[:n]
+        out.copy_(self._host_rows[:n], non_blocking=True)
+        return out
 
 
 class PackStagingBuffer:

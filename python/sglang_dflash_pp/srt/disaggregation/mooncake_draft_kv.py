@@ -6,7 +6,7 @@ prefill's item length. When prefill and decode hold different numbers of draft h
 (prefill TP4 = 2 of 8 heads per rank, decode TP32 = 1) this writes the wrong bytes to the wrong
 decode pages, and no check rejects the layout; a plain-MHA target at another attention TP goes
 through ``send_kvcache_slice``, which slices the draft with the target's head count. Four hooks fix
-it:
+it, and a fifth lets the packed head slices be shared:
 
 * AROUND ``MooncakeKVManager._validate_peer_state_layout``, which ``_publish_peer_registration``
   calls once per decode registration. After the stock checks pass, it decides the peer's draft
@@ -32,16 +32,26 @@ it:
   KV, since the target KV is replicated. The draft heads are sharded, not replicated, so a rank
   elected to write heads no lower rank holds is let through (verdict DRAFT_ONLY) and sends
   only its draft entries; the target stays with the first rank.
+* AROUND ``MooncakeKVManager.transfer_worker``: the worker runs on a view of its queue whose
+  ``get`` records the chunk it hands out (on the worker thread) and ends the previous chunk's
+  packs. sglang sends a chunk to each of its decode ranks in turn through ``send_kvcache``, which
+  is not told the chunk; knowing it, the first send packs every distinct head slice the chunk's
+  decode ranks need (``transfer_infos[room]`` and their verdicts) and the others send from the
+  same slab (``draft_kv_chunk_packs``). The chunks, their order and every call sglang makes stay
+  as they are.
 
 Inert unless this prefill rank registered DFLASH draft entries (``prefill_draft_kv``).
 
 Environment (read at startup on a DFLASH Mooncake prefill):
 
-* ``SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB`` (default 128): staging memory on the draft pool's
+* ``SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB`` (default 256): staging memory on the draft pool's
   device for packing head slices, allocated and registered with Mooncake on the first decode
-  that needs it, split into one slot per transfer queue (``SGLANG_DISAGGREGATION_QUEUE_SIZE``).
-  A slot of 32 MB holds 8192 tokens of a 6-layer, 128-dim bf16 draft at one head per decode
-  rank; longer sends are packed and sent in chunks of whole pages.
+  that needs it, split into one slot per transfer queue (``SGLANG_DISAGGREGATION_QUEUE_SIZE``,
+  default 4). A slot holds a chunk's packed slices from the first send to the last decode rank
+  that reads them. The default's 64 MB slot holds both head slices of an 8192-token chunk
+  (Kimi-K3's ``--chunked-prefill-size``) of a 6-layer, 8-head, 128-dim bf16 draft at TP4 ->
+  TP32 (48 MiB); a chunk whose slices do not fit together is packed one slice at a time, and one
+  whose single slice does not fit is packed per decode rank in windows of whole pages.
 * ``SGLANG_DFLASH_DRAFT_KV_MAX_BATCH_DESCRIPTORS`` (default 1024): most descriptors per
   ``batch_transfer_sync`` call for the draft entries. Mooncake's TCP transport refuses batches
   of a few thousand; packed sends stay far below it, per-token sends are split.
@@ -57,6 +67,11 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from sglang_dflash_pp.hooks import PluginHook
+from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import (
+    ChunkPacks,
+    HeadSlice,
+    readers_by_slice,
+)
 from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVLayoutError
 from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import (
     DecodePeer,
@@ -71,6 +86,7 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
     Regime,
     entry_descriptors,
     pack_source_rows,
+    packed_descriptors,
     pages_per_send,
 )
 from sglang_dflash_pp.srt.disaggregation.mha_layer_ids import (
@@ -86,6 +102,7 @@ MAX_BATCH_DESCRIPTORS_ENV = "SGLANG_DFLASH_DRAFT_KV_MAX_BATCH_DESCRIPTORS"
 _PLAN_ATTR = "dflash_draft_kv_plan"  # on the decode's KVArgsRegisterInfo
 _PACK_ATTR = "_dflash_draft_kv_pack_buffer"  # on the MooncakeKVManager
 _pack_lock = threading.Lock()
+_worker = threading.local()  # per transfer worker thread: manager, chunk, packs
 
 
 def _env_int(name: str, default: int, minimum: int) -> int:
@@ -102,7 +119,7 @@ def _env_int(name: str, default: int, minimum: int) -> int:
 
 
 def pack_buffer_bytes() -> int:
-    return _env_int(PACK_BUFFER_MB_ENV, 128, 1) << 20
+    return _env_int(PACK_BUFFER_MB_ENV, 256, 1) << 20
 
 
 def max_batch_descriptors() -> int:
@@ -285,6 +302,97 @@ def validate_peer_state_layout_around(original, self, registration_info, *args, 
     return fully_checked, None
 
 
+# -- the worker's current chunk ---------------------------------------------------------------
+
+
+def begin_chunk(manager, chunk) -> None:
+    """This thread now sends ``chunk`` (a ``TransferKVChunk``, or None) for ``manager``."""
+    end_chunk()
+    _worker.manager, _worker.chunk, _worker.packs = manager, chunk, None
+
+
+def end_chunk() -> None:
+    """Give back the pack slot of this thread's previous chunk, whatever its sends did."""
+    packs = getattr(_worker, "packs", None)
+    _worker.manager = _worker.chunk = _worker.packs = None
+    if packs is not None:
+        packs.release()
+
+
+class _ChunkQueue:
+    """sglang's transfer queue as its worker sees it: ``get`` marks the chunk it hands out."""
+
+    def __init__(self, manager, queue):
+        self._manager, self._queue = manager, queue
+
+    def get(self, *args, **kwargs):
+        end_chunk()
+        chunk = self._queue.get(*args, **kwargs)
+        begin_chunk(self._manager, chunk)
+        return chunk
+
+    def __getattr__(self, name):
+        return getattr(self._queue, name)
+
+
+def transfer_worker_around(original, self, queue, *args, **kwargs):
+    try:
+        return original(self, _ChunkQueue(self, queue), *args, **kwargs)
+    finally:
+        end_chunk()
+
+
+def _head_slice(self, plan: DraftKVPeerPlan) -> HeadSlice:
+    n_target = len(self.kv_args.kv_data_ptrs) - self.kv_args.num_draft_entries
+    pair = plan.pair
+    return HeadSlice(
+        heads=pair.heads,
+        src_entries=tuple(e.src_index - n_target for e in plan.entries),
+        byte_offsets=tuple(pair.src_offset(e.component) for e in plan.entries),
+        byte_widths=tuple(pair.width(e.component) for e in plan.entries),
+    )
+
+
+def _packed_slice_of(self, session: str) -> Optional[HeadSlice]:
+    """The head slice this rank packs for decode ``session``, or None (it packs nothing for it)."""
+    if session in getattr(self, "failed_sessions", ()) or session in getattr(
+        self, "state_layout_rejections", {}
+    ):
+        return None  # sglang's loop stops at such a session
+    plan = getattr(self.decode_kv_args_table.get(session), _PLAN_ATTR, None)
+    if plan is None or not plan.action.sends_draft or plan.pair.regime is not Regime.PACK_SOURCE:
+        return None
+    return _head_slice(self, plan)
+
+
+def _chunk_packs(self, buffer) -> Optional[ChunkPacks]:
+    """The packs of the chunk this worker thread is sending, or None outside a worker chunk."""
+    chunk = getattr(_worker, "chunk", None)
+    if chunk is None or getattr(_worker, "manager", None) is not self:
+        return None
+    packs = _worker.packs
+    if packs is None:
+        infos = (getattr(self, "transfer_infos", None) or {}).get(chunk.room) or {}
+        readers = readers_by_slice(
+            (session, _packed_slice_of(self, session))
+            for session, info in infos.items()
+            if not getattr(info, "is_dummy", False)
+        )
+        n = self.kv_args.num_draft_entries
+        key = (tuple(self.kv_args.kv_data_ptrs[-n:]), tuple(self.kv_args.kv_item_lens[-n:]))
+        packs = _worker.packs = ChunkPacks(
+            buffer, readers, lambda: _draft_sources(self), self.kv_args.page_size, key=key
+        )
+    return packs
+
+
+def _draft_sources(self):
+    source = draft_kv_source_for(self.kv_args)
+    if source is None:
+        raise RuntimeError("the draft KV pool behind this rank's draft entries is gone")
+    return [source.entry_rows(q) for q in range(self.kv_args.num_draft_entries)]
+
+
 # -- sending --------------------------------------------------------------------------------
 
 
@@ -456,6 +564,15 @@ def _send_draft_entries(self, plan, session, src_pages, dst_pages, dst_kv_ptrs) 
         return -1
     pair = plan.pair
     buffer = getattr(self, _PACK_ATTR) if pair.regime is Regime.PACK_SOURCE else None
+    packs = None if buffer is None else _chunk_packs(self, buffer)
+    if packs is not None:
+        piece = _head_slice(self, plan)
+        try:
+            slabs = packs.slab(piece, src_pages)
+            if slabs is not None:
+                return _send_from_slabs(self, plan, packs.slot, slabs, session, dst_pages, dst_kv_ptrs)
+        finally:
+            packs.done(piece, session)
     step = pages_per_send(
         pair,
         [e.component for e in plan.entries],
@@ -487,9 +604,37 @@ def _send_draft_entries(self, plan, session, src_pages, dst_pages, dst_kv_ptrs) 
     return 0
 
 
-def _send_packed(self, plan, buffer, session, src_pages, dst_pages, dst_kv_ptrs) -> int:
-    import torch
+def _send_from_slabs(self, plan, slot, slabs, session, dst_pages, dst_kv_ptrs) -> int:
+    """Send this decode rank's pages from the chunk's packed slabs (entry order of ``plan``),
+    in sglang's bounded index batches when it sets them."""
+    pair = plan.pair
+    step = pages_per_send(
+        pair,
+        [e.component for e in plan.entries],
+        dst_pages.size,
+        max_batch_pages=self.max_transfer_batch_indices,
+    )
+    for start in range(0, dst_pages.size, step):
+        d = dst_pages[start : start + step]
+        descriptors = Descriptors.concat(
+            [
+                packed_descriptors(
+                    pair,
+                    e.component,
+                    slot.ptr + at + start * pair.bytes_per_page(e.component),
+                    dst_kv_ptrs[e.dst_index],
+                    d,
+                )
+                for e, at in zip(plan.entries, slabs)
+            ]
+        )
+        ret = _transfer(self, session, descriptors)
+        if ret != 0:
+            return ret
+    return 0
 
+
+def _send_packed(self, plan, buffer, session, src_pages, dst_pages, dst_kv_ptrs) -> int:
     from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import pack_row_slices
 
     pair = plan.pair
@@ -500,7 +645,7 @@ def _send_packed(self, plan, buffer, session, src_pages, dst_pages, dst_kv_ptrs)
     sources = [source.entry_rows(e.src_index - n_target) for e in plan.entries]
     with buffer.acquire() as slot:
         with slot.on_stream():
-            rows = torch.from_numpy(pack_source_rows(pair, src_pages)).to(slot.buffer.device)
+            rows = slot.rows(pack_source_rows(pair, src_pages))
             slabs = pack_row_slices(
                 sources,
                 rows,
@@ -555,6 +700,12 @@ HOOKS = (
         send_kvcache_slice_around,
         "around",
         "plain-MHA target at another attention TP: slice the draft heads by the draft's plan",
+    ),
+    PluginHook(
+        f"{_MANAGER}.transfer_worker",
+        transfer_worker_around,
+        "around",
+        "know the chunk being sent, so each distinct draft head slice is packed once per chunk",
     ),
     PluginHook(
         f"{_MANAGER}._get_dsa_cache_transfer_skip_flags",

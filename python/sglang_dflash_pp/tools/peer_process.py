@@ -1,9 +1,15 @@
-"""Child processes of ``preflight``: spawn, talk to, and always clean up.
+"""Peer processes that talk JSON lines: spawn, talk to, and always clean up.
 
-Protocol: a child writes one JSON object per line to stdout, prefixed ``@@`` (anything else on
-stdout is ignored; stderr goes to a log file in the work directory), with ``kind`` = ``progress``
-(printed by the parent), ``error`` (the child failed; the parent stops), or any other kind the
-parent waits for. The parent writes JSON lines to a child's stdin.
+One owner for the protocol that ``preflight`` (its per-stage, last-stage and decode processes),
+the draft-KV transfer benchmark and the Mooncake loopback test use between a parent and the peer
+processes it starts (each side of a Mooncake transfer must be its own process).
+
+Protocol: a peer writes one JSON object per line to stdout, prefixed ``@@`` (anything else on
+stdout is ignored; stderr goes to a log file), and the parent writes JSON lines to the peer's
+stdin. ``preflight`` tags every message with a ``kind`` (:func:`send`): ``progress`` (printed by
+the parent), ``error`` (the child failed; the parent stops), or any other kind the parent waits
+for (:class:`Children`). The benchmark and the test use plain request / reply
+(:meth:`PeerProcess.ask`, :func:`write_message`).
 
 Cleanup: every child starts in its own session (its own process group), so the parent can end
 the child and anything it started with one ``killpg`` by the child's own pid, on every exit path;
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import selectors
 import signal
 import subprocess
@@ -38,9 +45,14 @@ def child_setup() -> None:
         pass
 
 
-def send(kind: str, **payload) -> None:
-    sys.stdout.write(PREFIX + json.dumps(dict(kind=kind, **payload), default=str) + "\n")
+def write_message(obj) -> None:
+    """Write one message to the parent."""
+    sys.stdout.write(PREFIX + json.dumps(obj, default=str) + "\n")
     sys.stdout.flush()
+
+
+def send(kind: str, **payload) -> None:
+    write_message(dict(kind=kind, **payload))
 
 
 def progress(message: str) -> None:
@@ -50,7 +62,7 @@ def progress(message: str) -> None:
 def read_command() -> dict:
     line = sys.stdin.readline()
     if not line:
-        raise SystemExit("preflight parent closed the pipe")
+        raise SystemExit("the parent process closed the pipe")
     return json.loads(line)
 
 
@@ -77,7 +89,7 @@ class ChildFailed(RuntimeError):
     pass
 
 
-class Child:
+class PeerProcess:
     def __init__(self, name: str, argv: List[str], env: Dict[str, str], log_path: str):
         self.name = name
         self.log_path = log_path
@@ -108,6 +120,43 @@ class Child:
         self._partial += data
         *lines, self._partial = self._partial.split(b"\n")
         return [ln.decode(errors="replace") for ln in lines]
+
+    def read(self, timeout: float) -> dict:
+        """The next message, waiting at most ``timeout`` seconds (for a parent talking to one
+        peer at a time; :class:`Children` reads several together)."""
+        deadline = time.monotonic() + timeout
+        while not self.inbox:
+            if self.closed:
+                raise ChildFailed(
+                    f"{self.name} exited (code {self.proc.poll()}); its log:\n{self.log_tail()}"
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.name} gave no answer; its log:\n{self.log_tail()}")
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            lines = self.read_lines()
+            if lines is None:
+                self.closed = True
+                continue
+            self.inbox += [json.loads(ln[len(PREFIX) :]) for ln in lines if ln.startswith(PREFIX)]
+        return self.inbox.pop(0)
+
+    def ask(self, obj: dict, timeout: float) -> dict:
+        self.write(obj)
+        return self.read(timeout)
+
+    def close(self, goodbye: Optional[dict] = None, timeout: float = 10) -> None:
+        """Send ``goodbye`` (if any) and give the peer ``timeout`` seconds to exit, then
+        :meth:`kill` whatever is left."""
+        if goodbye is not None and self.proc.poll() is None:
+            try:
+                self.write(goodbye)
+                self.proc.wait(timeout=timeout)
+            except Exception:
+                pass
+        self.kill()
 
     def log_tail(self, n: int = 3000) -> str:
         self._log.flush()
@@ -142,11 +191,13 @@ class Children:
     def __init__(self, deadline: float, on_progress: Callable[[str, str], None]):
         self.deadline = deadline
         self.on_progress = on_progress
-        self.children: Dict[str, Child] = {}
+        self.children: Dict[str, PeerProcess] = {}
         self._sel = selectors.DefaultSelector()
 
-    def spawn(self, name: str, argv: List[str], env: Dict[str, str], log_path: str) -> Child:
-        child = Child(name, argv, env, log_path)
+    def spawn(
+        self, name: str, argv: List[str], env: Dict[str, str], log_path: str
+    ) -> PeerProcess:
+        child = PeerProcess(name, argv, env, log_path)
         self.children[name] = child
         self._sel.register(child.proc.stdout, selectors.EVENT_READ, child)
         return child
@@ -171,7 +222,7 @@ class Children:
         if left <= 0:
             raise TimeoutError("preflight ran past its --timeout")
         for key, _ in self._sel.select(timeout=min(left, 1.0)):
-            child: Child = key.data
+            child: PeerProcess = key.data
             lines = child.read_lines()
             if lines is None:
                 self._sel.unregister(child.proc.stdout)
