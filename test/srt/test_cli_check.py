@@ -441,7 +441,7 @@ def test_staging_buffer_and_hnd_pool_refused_only_where_they_break_the_transfer(
     code, r = _main_json(capsys, ["check", "--example", "qwen3-8b", "--json"])
     assert code == EXIT_REFUSED
     (hit,) = [x for x in r["refusals"] if "staging buffer" in x["source"]]
-    assert "Unset SGLANG_DISAGG_STAGING_BUFFER on both servers" in hit["message"]
+    assert "unset SGLANG_DISAGG_STAGING_BUFFER on both servers" in hit["message"]
     code, r = _main_json(capsys, ["check", "--example", "kimi-k3", "--json"])
     assert code == 0, r["refusals"]
     monkeypatch.delenv("SGLANG_DISAGG_STAGING_BUFFER")

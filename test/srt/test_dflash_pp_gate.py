@@ -190,6 +190,22 @@ def test_skip_pure_chunked_output_comm_env_is_refused(sglang_with_plugin, model_
     assert "resolved" in resolve(_args(model_dirs))
 
 
+def test_an_online_quantised_draft_is_refused(sglang_with_plugin, model_dirs):
+    """The draft inherits --quantization unless --speculative-draft-model-quantization is given;
+    the PP stages handle the draft's weights unquantised, so either is refused, naming the way
+    out, and ``unquant`` for the draft is accepted with a quantised target."""
+    inherited = _error(resolve(_args(model_dirs, quantization="fp8")))
+    assert "'fp8'" in inherited and "--speculative-draft-model-quantization unquant" in inherited
+    explicit = _error(resolve(_args(model_dirs, speculative_draft_model_quantization="fp8")))
+    assert "'fp8'" in explicit, explicit
+    opted_out = resolve(
+        _args(model_dirs, quantization="fp8", speculative_draft_model_quantization="unquant")
+    )
+    assert "resolved" in opted_out, opted_out
+    assert opted_out["resolved"]["speculative_draft_model_quantization"] is None
+    assert "resolved" in resolve(_args(model_dirs, pp_size=1, quantization="fp8"))
+
+
 def test_launch_time_check_accepts_dflash_and_keeps_common_pp_asserts(sglang_with_plugin):
     """``check_pipeline_parallel_compat`` on a config-shaped object, as check_server_args calls it."""
     from types import SimpleNamespace
@@ -206,6 +222,8 @@ def test_launch_time_check_accepts_dflash_and_keeps_common_pp_asserts(sglang_wit
             min_free_slots_delay=None,
             enable_multi_layer_eagle=False,
             pp_size=2,
+            quantization=None,
+            speculative_draft_model_quantization=None,
             cuda_graph_config=SimpleNamespace(
                 prefill=SimpleNamespace(backend=Backend.DISABLED)
             ),

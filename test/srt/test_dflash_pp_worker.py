@@ -364,3 +364,38 @@ def test_every_rank_rebuilds_the_draft_input_from_the_relay(sglang_with_plugin, 
         assert out.next_draft_input.new_seq_lens.tolist() == [9, 4, 12]
     else:
         assert type(out.next_draft_input) is EagleDraftInput
+
+
+@pytest.mark.parametrize("hosts_draft", [True, False])
+def test_a_prefill_stage_never_captures_a_draft_decode_graph(monkeypatch, hosts_draft):
+    """Stock captures a draft decode graph whenever the decode graph backend is on, which an
+    explicit ``--cuda-graph-backend-decode`` keeps on for a prefill server; the KV-write-only
+    draft has no ``o_proj`` or MLP to capture. The last stage asks for no decode graph, inside
+    the draft's PP and TP scopes; earlier stages have no draft to capture."""
+    import contextlib
+
+    import sglang_dflash_pp.srt.speculative.dflash_pp_worker as worker_module
+
+    scopes, calls = [], []
+
+    def scope(name):
+        @contextlib.contextmanager
+        def enter(*args):
+            scopes.append((name, *args))
+            yield
+
+        return enter
+
+    monkeypatch.setattr(worker_module, "draft_pp_context", scope("pp"))
+    monkeypatch.setattr(worker_module, "draft_tp_context", scope("tp"))
+    w = object.__new__(worker_module.PPDFlashWorkerV2)
+    w._hosts_draft = hosts_draft
+    w.draft_parallel_layout = "draft layout"
+    w._draft_worker = SimpleNamespace(
+        init_cuda_graphs=lambda **kw: calls.append((list(scopes), kw))
+    )
+    w.init_cuda_graphs()
+    if hosts_draft:
+        assert calls == [([("pp",), ("tp", "draft layout")], {"capture_decode_cuda_graph": False})]
+    else:
+        assert calls == []

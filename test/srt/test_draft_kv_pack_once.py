@@ -195,3 +195,39 @@ def test_the_slot_is_given_back_after_the_last_reader():
         assert buf._free.qsize() == 0
     packs.done(a, "r1")
     assert buf._free.qsize() == 1 and packs.slot is None
+
+
+def test_slots_start_on_aligned_boundaries_for_any_slot_count():
+    """``SGLANG_DISAGGREGATION_QUEUE_SIZE`` need not be a power of two; one prepared fused pack
+    serves every slot and writes 8-byte words, so every slot must start aligned."""
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import PackStagingBuffer
+
+    for slots in (1, 3, 5, 7):
+        buf = PackStagingBuffer(256 << 10, slots, torch.device("cpu"), lambda ptr, n: None)
+        taken = [buf._free.get() for _ in range(slots)]
+        assert all((s.ptr - buf.ptr) % 256 == 0 for s in taken), slots
+        assert all(s.buffer.numel() == buf.slot_bytes > 0 for s in taken)
+        assert slots * buf.slot_bytes <= 256 << 10
+
+
+def test_a_trimmed_request_is_served_from_the_packed_pages_within_the_slot():
+    """A decode rank whose pages sglang trimmed is served from the slab of the full page list;
+    a slice packed later for it must be sized by the pages actually packed (not by the trimmed
+    list), or the pack would run past the slot."""
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import ChunkPacks, HeadSlice
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import PackStagingBuffer, as_byte_rows
+
+    # 16 pages x 4 rows x 8 bytes = 512 B per slice: one fits a 768-byte slot, two do not.
+    buf = PackStagingBuffer(768, 1, torch.device("cpu"), lambda ptr, n: None)
+    src = [as_byte_rows(torch.arange(64 * 8, dtype=torch.int16).reshape(64, 8))]
+    a = HeadSlice(range(0, 1), (0,), (0,), (8,))
+    b = HeadSlice(range(1, 2), (0,), (8,), (8,))
+    packs = ChunkPacks(buf, {a: {"r0"}, b: {"r1"}}, lambda: src, page_size=4)
+    pages = list(range(16))
+    packs.slab(a, pages)
+    assert packs.slices_packed == 1  # both do not fit together: a alone
+    offsets = packs.slab(b, pages[:1])  # trimmed to one page, covered by the packed pages
+    assert packs.slices_packed == 2 and packs.launches == 2
+    assert offsets[0] + 16 * 4 * 8 <= buf.slot_bytes
+    got = packs.slot.buffer[offsets[0] : offsets[0] + 4 * 8].view(torch.int16).reshape(4, 4)
+    assert torch.equal(got, src[0].view(torch.int16)[0:4, 4:8])

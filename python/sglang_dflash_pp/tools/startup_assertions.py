@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVLayoutError
+from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import target_path
 from sglang_dflash_pp.srt.disaggregation.draft_kv_pool_kind import (
     draft_pool_kind,
     pool_transfer_refusal,
@@ -283,16 +285,14 @@ def _env_switches(out: Assertions, p: Resolution, sides, target_is_mla: bool) ->
             "plugin: dflash_pp_gate.pp_env_switch_refusal; managers/scheduler_pp_mixin.py:48-57",
             pp_env_switch_refusal(pp),
         )
+    # Predicted from this process's environment, taken as both servers'.
     staging = bool(envs.SGLANG_DISAGG_STAGING_BUFFER.get())
     sliced = not target_is_mla and sides["P"].attn_tp != sides["D"].attn_tp
     refusal = None
-    if staging and sliced:
-        refusal = (
-            "with SGLANG_DISAGG_STAGING_BUFFER the KV of a plain-MHA target with another "
-            f"attention TP (P {sides['P'].attn_tp}, D {sides['D'].attn_tp}) goes through the "
-            "staging copy, which does not carry DFLASH draft KV head by head; every request "
-            "would fail at registration. Unset SGLANG_DISAGG_STAGING_BUFFER on both servers."
-        )
+    try:
+        target_path(target_is_mla, sides["P"].attn_tp, sides["D"].attn_tp, staging)
+    except DraftKVLayoutError as e:
+        refusal = f"every request would fail at registration: {e}"
     out.add(
         "P+D",
         "staging buffer",

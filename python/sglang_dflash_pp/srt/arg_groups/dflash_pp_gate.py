@@ -103,7 +103,7 @@ def serving_refusal(cfg: Any) -> Optional[str]:
             f"(got {cfg.disaggregation_transfer_backend!r}): only the Mooncake path carries "
             "the draft KV head-aware from the last PP stage."
         )
-    refusal = pp_env_switch_refusal(pp)
+    refusal = pp_env_switch_refusal(pp) or draft_quantization_refusal(cfg, pp)
     if refusal:
         return refusal
     if cfg.cuda_graph_config.prefill.backend != Backend.DISABLED:
@@ -114,6 +114,33 @@ def serving_refusal(cfg: Any) -> Optional[str]:
             "--cuda-graph-backend-prefill or pass --cuda-graph-backend-prefill disabled."
         )
     return None
+
+
+def draft_quantization(cfg: Any) -> Optional[str]:
+    """The quantization the draft is built with: ``--speculative-draft-model-quantization``, or
+    ``--quantization`` inherited when it is unset (0.5.23 ``serving_hook.py:676-709``; ``unquant``
+    turns either off). Before that resolution has run the inheritance is applied here."""
+    method = cfg.speculative_draft_model_quantization
+    resolved = getattr(cfg, "_speculative_draft_quantization_explicitly_set", None) is not None
+    if method is None and not resolved:
+        method = cfg.quantization
+    return None if method == "unquant" else method
+
+
+def draft_quantization_refusal(cfg: Any, pp: int) -> Optional[str]:
+    """Every PP stage handles the draft's weights unquantised: the earlier stages project with
+    ``fc`` column blocks read as stored, the last stage slices ``qkv_proj`` and ``fc`` for its
+    KV-write-only draft. A draft quantised online (often inherited from the target's
+    ``--quantization``) would do neither the way a PP1 server does."""
+    method = draft_quantization(cfg)
+    if method is None:
+        return None
+    return (
+        f"DFLASH with --pp-size {pp} builds the draft unquantised on every PP stage, but it "
+        f"would be quantised with {method!r} (--speculative-draft-model-quantization, "
+        "inherited from --quantization when unset). Pass --speculative-draft-model-quantization "
+        "unquant, or --pp-size 1."
+    )
 
 
 def _hf_config(cfg: Any, path: str, revision: Optional[str]):

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from sglang_dflash_pp.srt.disaggregation import draft_kv_pack_triton
+from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import token_rows
 from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import (
     PackSlot,
     PackStagingBuffer,
@@ -54,12 +55,6 @@ class HeadSlice:
 
     def bytes_per_row(self) -> int:
         return sum(self.byte_widths)
-
-
-def token_rows(src_pages, page_size: int) -> np.ndarray:
-    """Source token rows of ``src_pages``, page after page in request order (the slab order)."""
-    pages = np.asarray(src_pages, dtype=np.int64).reshape(-1)
-    return (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1)
 
 
 logger = logging.getLogger(__name__)
@@ -170,16 +165,18 @@ class ChunkPacks:
         pages = np.asarray(src_pages, dtype=np.int64).reshape(-1)
         if s in self.slabs and self._covers(pages):
             return self.slabs[s]
-        if self._bytes(s, pages.size) > self.buffer.slot_bytes:
+        # A covered (trimmed) request is served from the packed pages: size by those.
+        n = self.pages.size if self._covers(pages) else pages.size
+        if self._bytes(s, n) > self.buffer.slot_bytes:
             self.release()
             return None
         if not self._covers(pages):
             self._drop_slabs()
             self.pages = pages.copy()
         wanted = [s] + [o for o in self.readers if o != s and o not in self.slabs]
-        if self._top + sum(self._bytes(o, pages.size) for o in wanted) > self.buffer.slot_bytes:
+        if self._top + sum(self._bytes(o, n) for o in wanted) > self.buffer.slot_bytes:
             wanted = [s]
-        if self._top + self._bytes(s, pages.size) > self.buffer.slot_bytes:
+        if self._top + self._bytes(s, n) > self.buffer.slot_bytes:
             self._drop_slabs()
         if self.slot is None:
             self._acquired = self.buffer.acquire()

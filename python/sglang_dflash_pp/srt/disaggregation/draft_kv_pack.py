@@ -26,6 +26,8 @@ from typing import Callable, Iterator, List, Optional, Sequence
 import numpy as np
 import torch
 
+_SLOT_ALIGN = 256
+
 
 def as_byte_rows(t: torch.Tensor) -> torch.Tensor:
     """View a pool buffer ``[rows, ...]`` as ``uint8 [rows, row_bytes]`` without copying."""
@@ -154,7 +156,9 @@ class PackStagingBuffer:
     ):
         if num_slots <= 0:
             raise ValueError("need at least one pack slot")
-        slot_bytes = total_bytes // num_slots
+        # Slots start on 256-byte boundaries whatever the slot count: the fused pack writes
+        # whole 8-byte words, and one prepared pack serves every slot.
+        slot_bytes = total_bytes // num_slots // _SLOT_ALIGN * _SLOT_ALIGN
         if slot_bytes <= 0:
             raise ValueError(f"{total_bytes} bytes cannot be split into {num_slots} slots")
         self.device = torch.device(device)

@@ -47,6 +47,23 @@ class TargetPath(enum.Enum):
     HEAD_SLICED = "head sliced (send_kvcache_slice)"
 
 
+def target_path(target_is_mla: bool, p_attn_tp: int, d_attn_tp: int, staging: bool) -> TargetPath:
+    """The copy sglang's transfer worker uses for a peer's target entries (its dispatch in
+    ``MooncakeKVManager.transfer_worker``); raises for the one the draft KV cannot ride with:
+    the staging copy of a head-sliced plain-MHA target (``staging``: both sides run with
+    ``SGLANG_DISAGG_STAGING_BUFFER``)."""
+    if target_is_mla or p_attn_tp == d_attn_tp:
+        return TargetPath.WHOLE_PAGES
+    if staging:
+        raise DraftKVLayoutError(
+            "with SGLANG_DISAGG_STAGING_BUFFER the KV of a plain-MHA target with another "
+            f"attention TP (P {p_attn_tp}, D {d_attn_tp}) goes through the staging copy, which "
+            "does not carry DFLASH draft KV head by head; unset SGLANG_DISAGG_STAGING_BUFFER on "
+            "both servers."
+        )
+    return TargetPath.HEAD_SLICED
+
+
 class PeerAction(enum.Enum):
     STOCK = "stock"  # sglang's own path is exact for this peer
     TARGET_ONLY = "target only"  # this rank writes no draft bytes to this peer

@@ -239,10 +239,14 @@ def whole_page_descriptors(
     return Descriptors(src_base + s0 * item, dst_base + d0 * item, n * item)
 
 
+def token_rows(src_pages, page_size: int) -> np.ndarray:
+    """Source token rows of ``src_pages``, page after page in request order (a pack's order)."""
+    return (_pages(src_pages)[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1)
+
+
 def pack_source_rows(plan: DraftKVPairPlan, src_pages) -> np.ndarray:
-    """Source token rows to gather, page after page in request order."""
-    S = plan.src.page_size
-    return (_pages(src_pages)[:, None] * S + np.arange(S, dtype=np.int64)).reshape(-1)
+    """Source token rows to gather for one decode rank."""
+    return token_rows(src_pages, plan.src.page_size)
 
 
 def packed_descriptors(

@@ -80,6 +80,7 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import (
     PrefillSide,
     TargetPath,
     peer_verdict,
+    target_path,
 )
 from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
     Descriptors,
@@ -209,21 +210,15 @@ def draft_kv_verdict(self, registration) -> Optional[DraftKVPeerPlan]:
 def _target_path(self, registration) -> TargetPath:
     """The copy sglang's transfer worker will use for this peer's target entries (the dispatch
     in ``MooncakeKVManager.transfer_worker``), or refuse the one we do not cover."""
-    if (
-        self.is_mla_backend
-        or self.is_hybrid_mla_backend
-        or self.attn_tp_size == registration.dst_attn_tp_size
-    ):
-        return TargetPath.WHOLE_PAGES
-    if self.enable_staging and (
-        registration.staging_base_ptr != 0 or registration.staging_total_size != 0
-    ):
-        raise DraftKVLayoutError(
-            "with SGLANG_DISAGG_STAGING_BUFFER the KV of a plain-MHA target with another "
-            "attention TP goes through the staging copy, which does not carry DFLASH draft KV "
-            "head by head; unset SGLANG_DISAGG_STAGING_BUFFER on both servers."
-        )
-    return TargetPath.HEAD_SLICED
+    return target_path(
+        bool(self.is_mla_backend or self.is_hybrid_mla_backend),
+        self.attn_tp_size,
+        registration.dst_attn_tp_size,
+        staging=bool(
+            self.enable_staging
+            and (registration.staging_base_ptr != 0 or registration.staging_total_size != 0)
+        ),
+    )
 
 
 def _pack_buffer(self, source):

@@ -43,6 +43,7 @@ from sglang.srt.speculative.draft_parallel import (
     model_draft_parallel_spec,
     resolve_draft_parallel_layout,
 )
+from sglang.srt.speculative.spec_utils import draft_pp_context, draft_tp_context
 
 from sglang_dflash_pp.hooks import require_hooks_applied
 from sglang_dflash_pp.srt.arg_groups.dflash_pp_gate import CONFIGURATION
@@ -195,8 +196,13 @@ class PPDFlashWorkerV2(DFlashWorkerV2):
             super().init_attention_backends()
 
     def init_cuda_graphs(self):
+        # Stock captures a draft decode graph whenever the decode graph backend is on (an
+        # explicit --cuda-graph-backend-decode keeps it on for a prefill server). A prefill
+        # server never runs a draft decode step, and the KV-write-only draft has no o_proj or
+        # MLP to capture: the capture would raise on the last stage while the others wait.
         if self._hosts_draft:
-            super().init_cuda_graphs()
+            with draft_pp_context(), draft_tp_context(self.draft_parallel_layout):
+                self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=False)
 
     def prewarm_sampling(self):
         # A prefill server samples one token per request and never verifies.
