@@ -22,6 +22,10 @@ import deployments  # noqa: E402
 
 
 def pytest_terminal_summary(terminalreporter):
+    if cpu_servers.transport_stall_retries:
+        terminalreporter.section("requests sent again after a Mooncake TCP transport stall")
+        for row in cpu_servers.transport_stall_retries:
+            terminalreporter.write_line(f"{row['url']}  rid={row['rid']}  {row['error']}")
     if not deployments.startup_times:
         return
     terminalreporter.section("end-to-end server startup (wall time to ready)")
