@@ -229,43 +229,50 @@ def decode_registration(
     )
 
 
-def run_worker(manager, registration, src_pages, dst_pages, *, room=7, dst_device_pages=None):
-    """One non-final chunk through the real transfer worker loop, as the scheduler enqueues it."""
+def run_rooms(manager, registrations, rooms, *, dst_device_pages=None):
+    """One non-final chunk per room (``{room: (src_pages, dst_pages)}``), each room sent to every
+    registration, through the real transfer worker loop, as the scheduler enqueues them."""
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.utils import FastQueue, TransferKVChunk
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, TransferInfo
 
-    session = registration.mooncake_session_id
-    manager.request_status[room] = KVPoll.WaitingForInput
-    manager.transfer_infos[room] = {
-        session: TransferInfo(
-            room=room,
-            endpoint="127.0.0.1",
-            dst_port=1,
-            mooncake_session_id=session,
-            dst_kv_indices=np.asarray(dst_pages, np.int32),
-            dst_aux_index=0,
-            dst_state_indices=[],
-            required_dst_info_num=1,
-            is_dummy=False,
-            dst_device_kv_indices=(
-                None if dst_device_pages is None else np.asarray(dst_device_pages, np.int32)
-            ),
-        )
-    }
+    device_pages = None if dst_device_pages is None else np.asarray(dst_device_pages, np.int32)
     queue = FastQueue()
-    queue.put(
-        TransferKVChunk(
-            room=room,
-            prefill_kv_indices=np.asarray(src_pages, np.int32),
-            index_slice=slice(0, len(src_pages)),
-            is_last_chunk=False,
-            prefill_aux_index=None,
-            state_indices=None,
+    for room, (src_pages, dst_pages) in rooms.items():
+        manager.request_status[room] = KVPoll.WaitingForInput
+        manager.transfer_infos[room] = {
+            reg.mooncake_session_id: TransferInfo(
+                room=room,
+                endpoint="127.0.0.1",
+                dst_port=1,
+                mooncake_session_id=reg.mooncake_session_id,
+                dst_kv_indices=np.asarray(dst_pages, np.int32),
+                dst_aux_index=0,
+                dst_state_indices=[],
+                required_dst_info_num=len(registrations),
+                is_dummy=False,
+                dst_device_kv_indices=device_pages,
+            )
+            for reg in registrations
+        }
+        queue.put(
+            TransferKVChunk(
+                room=room,
+                prefill_kv_indices=np.asarray(src_pages, np.int32),
+                index_slice=slice(0, len(src_pages)),
+                is_last_chunk=False,
+                prefill_aux_index=None,
+                state_indices=None,
+            )
         )
-    )
     queue.put(None)
     MooncakeKVManager.transfer_worker(manager, queue, None)
+
+
+def run_worker(manager, registration, src_pages, dst_pages, *, room=7, dst_device_pages=None):
+    """One non-final chunk to one decode rank through the real transfer worker loop."""
+    run_rooms(manager, [registration], {room: (src_pages, dst_pages)},
+              dst_device_pages=dst_device_pages)
 
 
 def decode_images_from(writes, registration, tp_size: int, *, pages=POOL_PAGES, head_dim=HEAD_DIM):

@@ -39,42 +39,8 @@ def register_decode_ranks(m, ranks):
 
 
 def run_rooms(m, regs, rooms):
-    """One non-final chunk per room, every room sent to every decode rank in ``regs``, through
-    the real transfer worker (the scheduler's ``add_transfer_request`` puts one chunk per room)."""
-    from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.common.utils import FastQueue, TransferKVChunk
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, TransferInfo
-
-    queue = FastQueue()
-    for room, (src_pages, dst_pages) in rooms.items():
-        m.request_status[room] = KVPoll.WaitingForInput
-        m.transfer_infos[room] = {
-            reg.mooncake_session_id: TransferInfo(
-                room=room,
-                endpoint="127.0.0.1",
-                dst_port=1,
-                mooncake_session_id=reg.mooncake_session_id,
-                dst_kv_indices=np.asarray(dst_pages, np.int32),
-                dst_aux_index=0,
-                dst_state_indices=[],
-                required_dst_info_num=len(regs),
-                is_dummy=False,
-                dst_device_kv_indices=None,
-            )
-            for reg in regs
-        }
-        queue.put(
-            TransferKVChunk(
-                room=room,
-                prefill_kv_indices=np.asarray(src_pages, np.int32),
-                index_slice=slice(0, len(src_pages)),
-                is_last_chunk=False,
-                prefill_aux_index=None,
-                state_indices=None,
-            )
-        )
-    queue.put(None)
-    MooncakeKVManager.transfer_worker(m, queue, None)
+    """Every room to every decode rank in ``regs`` through the real transfer worker; no send fails."""
+    harness.run_rooms(m, regs, rooms)
     assert m.failures == []
 
 

@@ -156,28 +156,10 @@ def test_the_memory_figure_is_the_parameter_bytes_of_a_tp2_draft(tmp_path):
     sglang's loader, holds the bytes the figure says, with K/V heads sharded (2 over 2 ranks) and
     replicated (1 head on both); and each rank's pruned K/V rows are its stock draft's."""
     import json
-    import socket
-    import subprocess
-    import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp2_gloo_draft_bytes.py")
-    procs = [
-        subprocess.Popen([sys.executable, script, str(r), port, str(tmp_path)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in (0, 1)
-    ]  # fmt: skip
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{out[-4000:]}"
+    from gloo_pair import run_pair
+
+    run_pair("tp2_gloo_draft_bytes.py", tmp_path)
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for kv_heads in (2, 1):

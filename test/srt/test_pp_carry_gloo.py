@@ -6,42 +6,12 @@ path's, for an unchunked batch and for a request prefilled in chunks with micro-
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+from gloo_pair import run_pair
 
 
 def test_two_stage_pipeline_writes_the_pp1_draft_kv(tmp_path):
-    port = _free_port()
-    env = dict(os.environ)
-    env.pop("SGLANG_USE_CPU_ENGINE", None)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "pp2_gloo_stage.py"), str(rank), port, str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"stage {rank} failed:\n{out[-4000:]}"
+    run_pair("pp2_gloo_stage.py", tmp_path)
     stage0 = json.loads((tmp_path / "stage0.json").read_text())
     stage1 = json.loads((tmp_path / "stage1.json").read_text())
 

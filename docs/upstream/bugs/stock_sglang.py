@@ -98,6 +98,16 @@ def report(mode: str, targets: Iterable[str], **fields) -> None:
     print("RESULT " + json.dumps(out, sort_keys=True))
 
 
+def compare(mode: str, targets: Iterable[str], bug: str, observed: dict, expected: dict,
+            **fields) -> None:
+    """Print what this sglang did next to the right answer, key by key, then the RESULT line."""
+    width = max(len(k) for k in observed)
+    for key in observed:
+        print(f"  {key:{width}s} {mode}: {observed[key]}\n  {'':{width}s} right: {expected[key]}")
+    report(mode, targets, bug=bug, shows_bug=observed != expected, observed=observed,
+           expected=expected, **fields)
+
+
 def begin(targets: Iterable[str]) -> str:
     """Load plugins as a server does; in stock mode prove none is there. Returns the mode."""
     mode = "with-plugins" if with_plugins() else "stock"

@@ -139,11 +139,8 @@ def main() -> None:
     }
     expected = oracle()
     print(f"_handle_dflash on device cpu: {message}")
-    for key in observed:
-        print(f"  {key:36s} {mode}: {observed[key]}\n  {'':36s} right: {expected[key]}")
-    stock_sglang.report(
-        mode, TARGETS, bug="dflash-cpu-only-spots",
-        shows_bug=observed != expected, observed=observed, expected=expected,
+    stock_sglang.compare(
+        mode, TARGETS, "dflash-cpu-only-spots", observed, expected,
         spots_wrong=sorted(k for k in observed if observed[k] != expected[k]),
     )
 

@@ -63,11 +63,8 @@ def main() -> None:
         "fp32_first_layer": first_layer,
     }
     expected = {"input_embeds_dtype": "torch.float32", "max_abs_change": 0.0, "fp32_first_layer": "ok"}
-    for key in observed:
-        print(f"  {key:22s} {mode}: {observed[key]}\n  {'':22s} right: {expected[key]}")
-    stock_sglang.report(
-        mode, TARGETS, bug="fp32-input-embeds-cast",
-        shows_bug=observed != expected, observed=observed, expected=expected,
+    stock_sglang.compare(
+        mode, TARGETS, "fp32-input-embeds-cast", observed, expected,
     )
 
 

@@ -296,11 +296,8 @@ def main() -> None:
     print(f"P TP{P_TP} rank {P_RANK} (draft heads {list(heads_of(P_TP, P_RANK))}, "
           f"{page_bytes(P_TP)} B/page) -> D TP{D_TP} rank {D_RANK} (head {head}, {d_page} B/page)")
     print(f"request pages P {SRC_PAGES} -> D {DST_PAGES}; decode draft K0 at {k0_base}")
-    for key in observed:
-        print(f"  {key:36s} {mode}: {observed[key]}\n  {'':36s} right: {expected[key]}")
-    stock_sglang.report(
-        mode, TARGETS, bug="mooncake-draft-kv-heads-per-rank",
-        shows_bug=observed != expected, observed=observed, expected=expected,
+    stock_sglang.compare(
+        mode, TARGETS, "mooncake-draft-kv-heads-per-rank", observed, expected,
     )
 
 
