@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -80,6 +81,7 @@ TIMED = [
     "python/sglang_dflash_pp/srt/disaggregation/draft_kv_chunk_packs.py",
     "python/sglang_dflash_pp/srt/disaggregation/draft_kv_pack.py",
     "python/sglang_dflash_pp/srt/disaggregation/draft_kv_plan.py",
+    "python/sglang_dflash_pp/srt/disaggregation/draft_kv_staging.py",
 ]
 
 
@@ -214,29 +216,31 @@ def registration(session, rank, kv_ptrs, item_lens):
 
 @contextlib.contextmanager
 def counted(stats):
-    """Count the pack calls and the (entry, head slice) pairs they gather; time the pack steps."""
+    """Count the pack calls and the (entry, head slice) pairs they gather; time the pack steps.
+    Both send forms (a chunk's shared slab and the per-send window) pack through
+    ``draft_kv_chunk_packs.pack_slices``."""
     from sglang_dflash_pp.srt.disaggregation import draft_kv_chunk_packs, draft_kv_pack
 
-    real_pack, real_stream = draft_kv_pack.pack_row_slices, draft_kv_pack.PackSlot.on_stream
+    real_pack, real_stream = draft_kv_chunk_packs.pack_slices, draft_kv_pack.PackSlot.on_stream
 
-    def pack(sources, rows, offsets, widths, out):
+    def pack(slot, at, slices, *args, **kwargs):
         stats["pack_calls"] += 1
-        stats["entry_slices_packed"] += len(sources)
-        return real_pack(sources, rows, offsets, widths, out)
+        stats["entry_slices_packed"] += sum(len(s.src_entries) for s in slices)
+        return real_pack(slot, at, slices, *args, **kwargs)
 
     @contextlib.contextmanager
-    def on_stream(slot):
+    def on_stream(slot, written=()):
         t0 = time.perf_counter()
-        with real_stream(slot):
+        with real_stream(slot, written):
             yield
         stats["pack_s"] += time.perf_counter() - t0
 
-    draft_kv_chunk_packs.pack_row_slices = draft_kv_pack.pack_row_slices = pack
+    draft_kv_chunk_packs.pack_slices = pack
     draft_kv_pack.PackSlot.on_stream = on_stream
     try:
         yield
     finally:
-        draft_kv_chunk_packs.pack_row_slices = draft_kv_pack.pack_row_slices = real_pack
+        draft_kv_chunk_packs.pack_slices = real_pack
         draft_kv_pack.PackSlot.on_stream = real_stream
 
 
@@ -268,6 +272,7 @@ def main() -> None:
         describe_draft_pool,
         record_draft_kv_source,
     )
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_staging import build_staging
 
     load_plugins()
     get_context().override_server_args(speculative_algorithm="DFLASH").install()
@@ -280,10 +285,13 @@ def main() -> None:
     heads = slice(src_geom.owned_heads.start, src_geom.owned_heads.stop)
     for q, buf in enumerate(list(pool.k_buffer) + list(pool.v_buffer)):
         buf.copy_(global_kv(q)[:, heads])
-    record_draft_kv_source(describe_draft_pool(pool, HEADS))
+    # What the prefill's startup records (prefill_draft_kv): the pool and the rank's pack staging.
+    source = describe_draft_pool(pool, HEADS)
+    staging = build_staging(source, src_geom, chunk_tokens=TOKENS, num_slots=4)
+    record_draft_kv_source(dataclasses.replace(source, staging=staging))
     engine = MooncakeTransferEngine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
     m = prefill_manager(engine, pool)
-    m.register_buffer_to_engine()  # sglang's own registration of every KV entry
+    m.register_buffer_to_engine()  # sglang's (hooked) registration of every KV entry and the staging
 
     log_dir = tempfile.mkdtemp(prefix="bench-draft-kv-")
     decode = PeerProcess(

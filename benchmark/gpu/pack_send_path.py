@@ -1,33 +1,34 @@
 """The shipped draft-KV send path's pack time per request on one GPU, against a device-to-device
-copy of the same bytes, for the Kimi-K3 example (prefill TP4 -> decode TP32).
+copy of the same bytes, for the Kimi-K3 example (prefill TP4 -> decode TP32); and the pack the
+path ships (CUDA graphs captured at startup) against an eager launch of the same kernel.
 
 What runs: the plugin's own ``mooncake_draft_kv.send_draft_entries`` -- the function the hooked
 ``MooncakeKVManager.send_kvcache`` calls for the draft entries -- once per decode rank of one
 prefill rank (its 8 decode ranks), chunk after chunk, inside the worker-chunk scope the hooked
 ``transfer_worker`` opens (``begin_chunk`` / ``end_chunk``), with the registration verdicts the
-plugin computes for the example (``draft_kv_report.verdict``, i.e. ``peer_verdict``), the pack
-buffer the plugin allocates (``_pack_buffer``, default size, 4 slots as sglang's default queue
-count), and draft pools of the example's geometry in GPU memory.
+plugin computes for the example (``draft_kv_report.verdict``, i.e. ``peer_verdict``) and what the
+registration hook derives from them (``DraftSend.of``), and the staging the prefill builds at
+startup (``draft_kv_staging.build_staging``: 4 slots as sglang's default queue count, sized from
+the example's chunk, every pack prepared and its kernel compiled before the first request).
 
 What does not run, and why: sglang cannot be installed on the GPU machine, so the manager is a
-stand-in holding the attributes of sglang's ``MooncakeKVManager`` that the draft send path reads
-(``kv_args``, ``transfer_infos``, ``decode_kv_args_table``, ``max_transfer_batch_indices``,
-``_transfer_data``), and sglang's own loop over a chunk's decode ranks is this script's loop.
-``_transfer_data`` (the engine call) records the descriptors and, in the checked pass, compares
-the bytes each one would send with an independent gather; it moves nothing. The target MLA
-entries are not part of it.
+stand-in holding the attributes of sglang's ``MooncakeKVManager`` that the draft send path reads,
+and sglang's own loop over a chunk's decode ranks is this script's loop. ``_transfer_data`` (the
+engine call) records the descriptors and, in the checked pass, compares the bytes each one would
+send with an independent gather; it moves nothing. The target MLA entries are not part of it.
 
 Timed per request (the example's 4096- and 32768-token prompts, chunks of the example's
 ``--chunked-prefill-size``), each sample after flushing the L2 cache:
 
-* ``pack``: wall time of every pack step of the request (row upload, pack launch, wait for the
-  stream: the body of ``PackSlot.on_stream``), i.e. what the transfer worker waits for;
-* ``send``: wall time of the whole request through ``send_draft_entries`` (packs, descriptors,
-  the recorded transfer calls);
+* ``pack``: wall time of every pack step of the request (the rows into the slot's pinned buffer,
+  the graph replay, wait for the stream: the body of ``PackSlot.on_stream``), i.e. what the
+  transfer worker waits for;
+* ``send``: wall time of the whole request through ``send_draft_entries``;
 * ``copy``: ``dst.copy_(src)`` of the same number of bytes per chunk, then a synchronize;
-* the same for the per-send path (no chunk scope: one pack per decode rank, the behaviour before
-  packs were shared);
-* kernel alone: the chunk's pack launch and the copy, each replayed from a CUDA graph.
+* graph vs eager, first chunk: the shipped pack (the CUDA graph of the row upload and the launch
+  that the staging captured at startup, replayed) against an eager launch of the same prepared
+  Triton kernel, each right after other GPU work and after 5 ms of GPU idleness, wall and GPU
+  (event) time: the measurement the choice of graphs rests on.
 
     PYTHONPATH=python python3 benchmark/gpu/pack_send_path.py --out benchmark/gpu/results/pack_send_path.json
 """
@@ -61,6 +62,7 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_source import (  # noqa: E402
     DraftKVSource,
     record_draft_kv_source,
 )
+from sglang_dflash_pp.srt.disaggregation.draft_kv_staging import build_staging  # noqa: E402
 from sglang_dflash_pp.tools import examples  # noqa: E402
 from sglang_dflash_pp.tools.draft_kv_report import DraftKVTopology, verdict  # noqa: E402
 
@@ -70,6 +72,7 @@ TIMED = [
     "python/sglang_dflash_pp/srt/disaggregation/draft_kv_pack.py",
     "python/sglang_dflash_pp/srt/disaggregation/draft_kv_pack_triton.py",
     "python/sglang_dflash_pp/srt/disaggregation/draft_kv_plan.py",
+    "python/sglang_dflash_pp/srt/disaggregation/draft_kv_staging.py",
 ]
 PREFILL_RANK = 1
 QUEUES = 4  # sglang's SGLANG_DISAGGREGATION_QUEUE_SIZE default: one pack slot per queue
@@ -78,20 +81,24 @@ QUEUES = 4  # sglang's SGLANG_DISAGGREGATION_QUEUE_SIZE default: one pack slot p
 class ManagerStandIn:
     """The attributes of sglang's ``MooncakeKVManager`` that the draft send path reads."""
 
-    def __init__(self, entry_ptrs, item_lens, page_size):
+    def __init__(self, entry_ptrs, entry_lens, item_lens, page_size):
         self.kv_args = SimpleNamespace(
             kv_data_ptrs=list(entry_ptrs),
+            kv_data_lens=list(entry_lens),
             kv_item_lens=list(item_lens),
             num_draft_entries=len(entry_ptrs),
             page_size=page_size,
         )
-        self.engine = SimpleNamespace(batch_register=lambda ptrs, lens: 0)
-        self.transfer_queues = [None] * QUEUES
-        self.transfer_infos, self.decode_kv_args_table = {}, {}
+        self.transfer_infos, self.decode_kv_args_table, self.request_status = {}, {}, {}
         self.failed_sessions, self.state_layout_rejections = set(), {}
         self.max_transfer_batch_indices = 0
+        self.attn_tp_rank, self.pp_rank = PREFILL_RANK, 0
+        self.failures = []
         self.check = None  # callable(session, blocks) in the checked pass
         self.descriptors = 0
+
+    def conclude_failure(self, bootstrap_room, failure_reason, targets=None):
+        self.failures.append((bootstrap_room, failure_reason))
 
     def _transfer_data(self, session, blocks):
         self.descriptors += len(blocks)
@@ -113,9 +120,9 @@ def timed_pack_steps(samples: list):
     real = draft_kv_pack.PackSlot.on_stream
 
     @contextlib.contextmanager
-    def on_stream(slot):
+    def on_stream(slot, written=()):
         t0 = time.perf_counter()
-        with real(slot):
+        with real(slot, written):
             yield
         samples.append(time.perf_counter() - t0)
 
@@ -126,131 +133,200 @@ def timed_pack_steps(samples: list):
         draft_kv_pack.PackSlot.on_stream = real
 
 
+def setup(device: str, max_pages: int, p_tp=None, d_tp=None, prefill_rank=PREFILL_RANK):
+    """The example's prefill rank 1 (or another TP pair of the same draft): its pools on
+    ``device``, the staging its startup builds, the stand-in manager with every decode rank's
+    registration (verdict and ``DraftSend``)."""
+    ex = examples.load("kimi-k3")
+    draft = ex.config("draft")
+    heads, dim = int(draft["num_key_value_heads"]), int(draft["head_dim"])
+    layers, page = int(draft["num_hidden_layers"]), ex.page_size
+    p_tp = p_tp or int(ex.prefill_arg("--tp-size"))
+    d_tp = d_tp or ex.decode_tp_size
+    chunk_tokens = int(ex.prefill_arg("--chunked-prefill-size"))
+    shape = DraftKVShape(total_heads=heads, k_head_dim=dim, v_head_dim=dim, dtype_bytes=2)
+    topo = DraftKVTopology(shape, layers, page, p_tp, d_tp, pp_size=int(ex.prefill_arg("--pp-size")))
+    ranks = [r for r in range(d_tp) if prefill_rank in prefill_ranks_for(r, prefill_tp=p_tp, decode_tp=d_tp)]
+    src_geom = topo.geometry("prefill", prefill_rank)
+    pool_pages = 2 * max_pages + 8
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    bufs = [
+        torch.randn(pool_pages * page + page, src_geom.heads_per_rank, dim, device=dev,
+                    generator=g).to(torch.bfloat16)
+        for _ in range(2 * layers)
+    ]  # fmt: skip
+    pool = Pool(bufs[:layers], bufs[layers:])
+    ptrs = [b.data_ptr() for b in bufs]
+    source = DraftKVSource(tuple(ptrs), shape, None, weakref.ref(pool))
+    t0 = time.perf_counter()
+    staging = build_staging(source, src_geom, chunk_tokens=chunk_tokens, num_slots=QUEUES)
+    startup_s = time.perf_counter() - t0
+    record_draft_kv_source(DraftKVSource(tuple(ptrs), shape, None, weakref.ref(pool), staging))
+    m = ManagerStandIn(ptrs, [b.numel() * 2 for b in bufs], topo.item_lens(src_geom), page)
+    m.attn_tp_rank = prefill_rank
+    sessions = {r: f"decode-rank-{r}" for r in ranks}
+    dst_bases = {r: [(1 + r) * (1 << 40) + q * (1 << 34) for q in range(2 * layers)] for r in ranks}
+    sends = {}
+    for r in ranks:
+        plan = verdict(topo, prefill_rank, r)
+        sends[r] = mooncake_draft_kv.DraftSend.of(m, plan, dst_bases[r])
+        m.decode_kv_args_table[sessions[r]] = SimpleNamespace(_dflash_draft_kv_send=sends[r])
+    return SimpleNamespace(
+        ex=ex, topo=topo, ranks=ranks, src_geom=src_geom, bufs=bufs, pool=pool, staging=staging,
+        startup_s=startup_s, m=m, sessions=sessions, dst_bases=dst_bases, sends=sends, page=page,
+        dim=dim, layers=layers, chunk_tokens=chunk_tokens, dev=dev, heads=heads, p_tp=p_tp,
+        d_tp=d_tp,
+    )  # fmt: skip
+
+
+def send_chunk(s, src, dst, room, wait_event=None, host_sync=True):
+    """One chunk to every decode rank, as sglang's worker loop sends it: the hooked queue's
+    ``get`` opens the chunk scope (``begin_chunk``), then sglang synchronises the chunk's
+    ``wait_event`` on the host (``mooncake/conn.py`` ~2537; ``host_sync=False`` leaves only the
+    pack's own stream wait), then sends to each decode rank."""
+    m = s.m
+    chunk = SimpleNamespace(room=room, wait_event=wait_event)
+    m.request_status[room] = 3  # KVPoll.Transferring
+    m.transfer_infos[room] = {s.sessions[r]: SimpleNamespace(is_dummy=False) for r in s.ranks}
+    mooncake_draft_kv.begin_chunk(m, chunk)
+    if host_sync and chunk.wait_event is not None:
+        chunk.wait_event.synchronize()
+    try:
+        for r in s.ranks:
+            ret = mooncake_draft_kv.send_draft_entries(m, s.sends[r], s.sessions[r], src, dst)
+            assert ret == 0 and not m.failures, (ret, m.failures)
+    finally:
+        mooncake_draft_kv.end_chunk()
+        del m.transfer_infos[room]
+        del m.request_status[room]
+
+
+def request_chunks(s, tokens, first_page):
+    pages = tokens // s.page
+    per = s.chunk_tokens // s.page
+    return [
+        (np.arange(first_page + i, first_page + min(i + per, pages), dtype=np.int64),
+         np.arange(3 + i, 3 + min(i + per, pages), dtype=np.int64))
+        for i in range(0, pages, per)
+    ]  # fmt: skip
+
+
+def checker(s, current):
+    """Compare each descriptor's source bytes (in the pack slot, at send time) with an
+    independent gather: the decode rank's head of the pool rows of those pages."""
+    slot_all = s.staging.buffer.tensor
+    base = s.staging.buffer.ptr
+    stats = {"descriptors": 0, "bytes": 0}
+
+    def check(session, blocks):
+        r = next(k for k, v in s.sessions.items() if v == session)
+        src_pages, dst_pages = current["chunk"]
+        head = s.sends[r].plan.pair.heads.start - s.src_geom.head_start
+        for src, d, n in blocks:
+            q = max(i for i, b in enumerate(s.dst_bases[r]) if b <= d)
+            item = s.page * s.dim * 2
+            pos = (d - s.dst_bases[r][q]) // item - int(dst_pages[0])
+            pages = src_pages[pos : pos + n // item]
+            rows = torch.from_numpy((pages[:, None] * s.page + np.arange(s.page)).reshape(-1)).to(s.dev)
+            want = s.bufs[q][rows][:, head, :].contiguous().view(torch.uint8).reshape(-1)
+            got = slot_all[src - base : src - base + n]
+            assert torch.equal(got, want), f"decode rank {r} entry {q}: wrong bytes"
+            stats["descriptors"] += 1
+            stats["bytes"] += n
+
+    return check, stats
+
+
+def eager_vs_graph(s, src_pages, reps, warmup, flush):
+    """The shipped pack of the chunk's whole partition (the graph ``PreparedPacks.warm`` captured
+    at startup, replayed through ``pack_slices``) against an eager launch of the same prepared
+    kernel (the row upload from the slot's pinned buffer, then ``FusedPack.__call__``): wall
+    (host) and GPU time, each right after other GPU work and after 5 ms of GPU idleness."""
+    staging, slot = s.staging, s.staging.buffer.take()
+    try:
+        partition = next(iter(staging.prepared.partitions.values()))
+        pack = staging.prepared.pack(partition)
+        rows = draft_kv_chunk_packs.token_rows(src_pages, s.page)
+
+        def shipped():
+            draft_kv_chunk_packs.pack_slices(slot, 0, partition, staging.prepared, rows)
+
+        def eager():
+            with slot.on_stream():
+                pack(slot.rows(rows), slot.buffer, 0)
+
+        out = {}
+        for name, fn in (("graph_replay_shipped", shipped), ("eager_launch", eager)):
+            for when in ("busy", "after_5ms_idle"):
+                wall, gpu = [], []
+                for i in range(warmup + reps):
+                    flush()
+                    if when != "busy":
+                        time.sleep(0.005)
+                    a = torch.cuda.Event(enable_timing=True)
+                    b = torch.cuda.Event(enable_timing=True)
+                    t0 = time.perf_counter()
+                    a.record(slot.stream)
+                    fn()
+                    t = time.perf_counter() - t0
+                    b.record(slot.stream)
+                    b.synchronize()
+                    if i >= warmup:
+                        wall.append(t)
+                        gpu.append(a.elapsed_time(b) / 1e3)
+                out[f"{name}_{when}"] = dict(
+                    wall_s=dict(samples=wall, **provenance.summary(wall)),
+                    gpu_s=dict(samples=gpu, **provenance.summary(gpu)),
+                )
+        return out
+    finally:
+        staging.buffer.give_back(slot)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", default="4096,32768")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the same code (no graphs)")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the same code")
     args = ap.parse_args()
 
-    ex = examples.load("kimi-k3")
-    draft = ex.config("draft")
-    heads, dim = int(draft["num_key_value_heads"]), int(draft["head_dim"])
-    layers, page = int(draft["num_hidden_layers"]), ex.page_size
-    p_tp, d_tp = int(ex.prefill_arg("--tp-size")), ex.decode_tp_size
-    chunk_tokens = int(ex.prefill_arg("--chunked-prefill-size"))
-    shape = DraftKVShape(total_heads=heads, k_head_dim=dim, v_head_dim=dim, dtype_bytes=2)
-    topo = DraftKVTopology(shape, layers, page, p_tp, d_tp, pp_size=int(ex.prefill_arg("--pp-size")))
-    ranks = [r for r in range(d_tp) if PREFILL_RANK in prefill_ranks_for(r, prefill_tp=p_tp, decode_tp=d_tp)]
-    plans = {r: verdict(topo, PREFILL_RANK, r) for r in ranks}
-    src_geom = topo.geometry("prefill", PREFILL_RANK)
-
     prompts = [int(t) for t in args.prompts.split(",")]
-    max_pages = max(prompts) // page
-    pool_pages = 2 * max_pages + 8
-    dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
+    s = setup(args.device, max(prompts) // 64)
+    cuda = s.dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    g = torch.Generator(device=dev).manual_seed(0)
-    h_p = src_geom.heads_per_rank
-    bufs = [
-        torch.randn(pool_pages * page + page, h_p, dim, device=dev, generator=g).to(torch.bfloat16)
-        for _ in range(2 * layers)
-    ]
-    pool = Pool(bufs[:layers], bufs[layers:])
-    ptrs = [b.data_ptr() for b in bufs]
-    record_draft_kv_source(DraftKVSource(tuple(ptrs), shape, None, weakref.ref(pool)))
-    m = ManagerStandIn(ptrs, topo.item_lens(src_geom), page)
-    mooncake_draft_kv._pack_buffer(m, mooncake_draft_kv.draft_kv_source_for(m.kv_args))
-    buffer = m._dflash_draft_kv_pack_buffer
-    sessions = {r: f"decode-rank-{r}" for r in ranks}
-    dst_bases = {r: [(1 + r) * (1 << 40) + q * (1 << 34) for q in range(2 * layers)] for r in ranks}
-    for r in ranks:
-        m.decode_kv_args_table[sessions[r]] = SimpleNamespace(dflash_draft_kv_plan=plans[r])
-
-    flush = torch.empty((512 << 20) if cuda else 1, dtype=torch.uint8, device=dev)
+    flush_buf = torch.empty((512 << 20) if cuda else 1, dtype=torch.uint8, device=s.dev)
 
     def l2_flush():
-        flush.fill_(1)
+        flush_buf.fill_(1)
         sync()
 
-    def request_chunks(tokens, first_page):
-        pages = tokens // page
-        per = chunk_tokens // page
-        return [
-            (np.arange(first_page + s, first_page + min(s + per, pages), dtype=np.int64),
-             np.arange(3 + s, 3 + min(s + per, pages), dtype=np.int64))
-            for s in range(0, pages, per)
-        ]  # fmt: skip
-
-    def send_request(chunks, shared: bool, room: int):
-        for c, (src, dst) in enumerate(chunks):
-            chunk = SimpleNamespace(room=(room, c))
-            m.transfer_infos[chunk.room] = {sessions[r]: SimpleNamespace(is_dummy=False) for r in ranks}
-            if shared:
-                mooncake_draft_kv.begin_chunk(m, chunk)
-            for r in ranks:
-                ret = mooncake_draft_kv.send_draft_entries(m, plans[r], sessions[r], src, dst, dst_bases[r])
-                assert ret == 0, ret
-            if shared:
-                mooncake_draft_kv.end_chunk()
-            del m.transfer_infos[chunk.room]
-
-    def checker(chunks_by_session):
-        """Compare each descriptor's source bytes (in the pack slot, at send time) with an
-        independent gather: the decode rank's head of the pool rows of those pages."""
-        slot_all = buffer.tensor
-        stats = {"descriptors": 0, "bytes": 0}
-
-        def check(session, blocks):
-            r = next(k for k, s in sessions.items() if s == session)
-            src_pages, dst_pages = chunks_by_session["current"]
-            head = plans[r].pair.heads.start - src_geom.head_start
-            for s, d, n in blocks:
-                q = max(i for i, b in enumerate(dst_bases[r]) if b <= d)
-                item = page * dim * 2
-                pos = (d - dst_bases[r][q]) // item - int(dst_pages[0])
-                pages = src_pages[pos : pos + n // item]
-                rows = torch.from_numpy((pages[:, None] * page + np.arange(page)).reshape(-1)).to(dev)
-                want = bufs[q][rows][:, head, :].contiguous().view(torch.uint8).reshape(-1)
-                got = slot_all[s - buffer.ptr : s - buffer.ptr + n]
-                assert torch.equal(got, want), f"decode rank {r} entry {q}: wrong bytes"
-                stats["descriptors"] += 1
-                stats["bytes"] += n
-
-        return check, stats
-
-    fused = draft_kv_pack_triton.eligible(
-        [draft_kv_pack.as_byte_rows(b) for b in bufs],
-        [plans[ranks[0]].pair.src_offset(e.component) for e in plans[ranks[0]].entries],
-        [plans[ranks[0]].pair.width(e.component) for e in plans[ranks[0]].entries],
-        buffer.tensor,
+    fused = isinstance(
+        s.staging.prepared.pack(next(iter(s.staging.prepared.partitions.values()))),
+        draft_kv_pack_triton.FusedPack,
     )
     results = {}
     for tokens in prompts:
-        chunks = request_chunks(tokens, first_page=max_pages + 4)
+        chunks = request_chunks(s, tokens, first_page=tokens // s.page + 4)
+        distinct = len({s.sends[r].head_slice for r in s.ranks})
         packed_bytes = [
-            len(src) * page * sum(
-                plans[r].pair.width(e.component) for e in plans[r].entries
-            ) * len({plans[r].pair.heads for r in ranks})
+            len(src) * s.page * s.sends[s.ranks[0]].head_slice.bytes_per_row() * distinct
             for src, _ in chunks
-        ]  # fmt: skip
-        # Checked pass: every descriptor's bytes, both paths.
-        check_state = {}
-        check, check_stats = checker(check_state)
-        m.check = check
-        for shared in (True, False):
-            for c, (src, dst) in enumerate(chunks):
-                check_state["current"] = (src, dst)
-                send_request([(src, dst)], shared, room=-1 - c)
-        m.check = None
-        expected_bytes = 2 * len(ranks) * 2 * layers * tokens * dim * 2  # both paths, each rank's head
+        ]
+        current = {}
+        check, check_stats = checker(s, current)
+        s.m.check = check
+        for c, (src, dst) in enumerate(chunks):
+            current["chunk"] = (src, dst)
+            send_chunk(s, src, dst, room=-1 - c)
+        s.m.check = None
+        expected_bytes = len(s.ranks) * 2 * s.layers * tokens * s.dim * 2  # each rank's head
         assert check_stats["bytes"] == expected_bytes, (check_stats, expected_bytes)
 
-        src_copy = torch.empty(sum(packed_bytes), dtype=torch.uint8, device=dev).random_(0, 255)
-        dst_copy = torch.empty(max(packed_bytes), dtype=torch.uint8, device=dev)
+        src_copy = torch.empty(sum(packed_bytes), dtype=torch.uint8, device=s.dev).random_(0, 255)
+        dst_copy = torch.empty(max(packed_bytes), dtype=torch.uint8, device=s.dev)
 
         def copy_request():
             t, at = 0.0, 0
@@ -262,127 +338,44 @@ def main():
                 at += nbytes
             return t
 
-        samples = {k: [] for k in ("pack_shared", "send_shared", "pack_per_send", "send_per_send", "copy", "sync_only")}
-        steps = {"shared": [], "per_send": []}
+        samples = {k: [] for k in ("pack", "send", "copy")}
+        steps = []
         for i in range(args.warmup + args.reps):
             keep = i >= args.warmup
-            for name, shared in (("shared", True), ("per_send", False)):
-                packs = []
-                l2_flush()
-                with timed_pack_steps(packs):
-                    t0 = time.perf_counter()
-                    send_request(chunks, shared, room=i)
-                    wall = time.perf_counter() - t0
-                if keep:
-                    samples[f"pack_{name}"].append(sum(packs))
-                    samples[f"send_{name}"].append(wall)
-                    steps[name].append(len(packs))
+            packs = []
+            l2_flush()
+            with timed_pack_steps(packs):
+                t0 = time.perf_counter()
+                for c, (src, dst) in enumerate(chunks):
+                    send_chunk(s, src, dst, room=(i, c))
+                wall = time.perf_counter() - t0
             l2_flush()
             t = copy_request()
             if keep:
+                samples["pack"].append(sum(packs))
+                samples["send"].append(wall)
                 samples["copy"].append(t)
-                t0 = time.perf_counter()
-                sync()
-                samples["sync_only"].append(time.perf_counter() - t0)
-
-        # Kernel alone: the shared path's one launch for a full chunk, and the copy, from graphs.
-        src0, _ = chunks[0]
-        slices = sorted(
-            {mooncake_draft_kv._head_slice(m, plans[r]) for r in ranks}, key=lambda s: s.heads.start
-        )
-        sources = [draft_kv_pack.as_byte_rows(b) for b in bufs]
-        flat = [sources[q] for s in slices for q in s.src_entries]
-        offs = [o for s in slices for o in s.byte_offsets]
-        widths = [w for s in slices for w in s.byte_widths]
-        rows = torch.from_numpy(draft_kv_chunk_packs.token_rows(src0, page)).to(dev)
-        out = buffer.tensor[: buffer.slot_bytes]
-        graph_ms = {}
-        for name, fn in () if not cuda else (
-            ("pack", lambda: draft_kv_pack.pack_row_slices(flat, rows, offs, widths, out)),
-            ("copy", lambda: dst_copy[: packed_bytes[0]].copy_(src_copy[: packed_bytes[0]])),
-        ):
-            fn()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            per = []
-            for _ in range(args.reps):
-                l2_flush()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                torch.cuda.synchronize()
-                per.append(a.elapsed_time(b))
-            graph_ms[name] = per
-
-        # What bounds the wall time: the shipped graph of the first chunk's pack, replayed and
-        # waited for alone, and the copy, each right after other GPU work ("busy") and after
-        # the GPU sat idle for 5 ms (as it does while the host builds the previous decode
-        # ranks' descriptors); the per-chunk pack step in the send path starts after such a gap.
-        bound = {}
-        if cuda:
-            n_rows0 = len(src0) * page
-            bucket0 = max(draft_kv_pack_triton.GraphedPack.MIN_BUCKET, 1 << (n_rows0 - 1).bit_length())
-            slot0, gp = next(
-                (sl, g)
-                for sl in list(buffer._free.queue)
-                for g in sl.graphed.values()
-                if g is not None and bucket0 in g._graphs
-            )
-            graph0 = gp._graphs[bucket0][0]
-
-            def pack_graph():
-                t0 = time.perf_counter()
-                with torch.cuda.stream(slot0.stream):
-                    graph0.replay()
-                slot0.stream.synchronize()
-                return time.perf_counter() - t0
-
-            def copy_once():
-                t0 = time.perf_counter()
-                dst_copy[: packed_bytes[0]].copy_(src_copy[: packed_bytes[0]])
-                sync()
-                return time.perf_counter() - t0
-
-            for name, fn in (("pack_graph_replay", pack_graph), ("copy", copy_once)):
-                for when in ("busy", "after_5ms_idle"):
-                    per = []
-                    for i in range(args.warmup + args.reps):
-                        l2_flush()
-                        if when != "busy":
-                            time.sleep(0.005)
-                        t = fn()
-                        if i >= args.warmup:
-                            per.append(t)
-                    bound[f"{name}_{when}_s"] = dict(samples=per, **provenance.summary(per))
-
+                steps.append(len(packs))
         summ = {k: provenance.summary(v) for k, v in samples.items()}
-        ratio = lambda a: [c / p for c, p in zip(samples["copy"], samples[a])]  # noqa: E731
         results[str(tokens)] = dict(
-            chunks=[len(s) * page for s, _ in chunks],
-            bytes_packed_per_chunk_shared=packed_bytes,
-            pack_steps_per_request=dict(shared=steps["shared"][0], per_send=steps["per_send"][0]),
+            chunks=[len(src) * s.page for src, _ in chunks],
+            bytes_packed_per_chunk=packed_bytes,
+            pack_steps_per_request=steps[0],
             descriptors_checked=check_stats["descriptors"],
             bytes_checked=check_stats["bytes"],
             samples_s=samples,
             summary_s=summ,
-            copy_over_pack_shared=dict(
-                of_medians=summ["copy"]["median"] / summ["pack_shared"]["median"],
-                per_sample=provenance.summary(ratio("pack_shared")),
+            copy_over_pack=dict(
+                of_medians=summ["copy"]["median"] / summ["pack"]["median"],
+                per_sample=provenance.summary(
+                    [c / p for c, p in zip(samples["copy"], samples["pack"])]
+                ),
             ),
-            copy_over_pack_per_send=dict(
-                of_medians=summ["copy"]["median"] / summ["pack_per_send"]["median"],
-                per_sample=provenance.summary(ratio("pack_per_send")),
-            ),
-            wall_bound_first_chunk=bound,
-            kernel_alone_first_chunk_graph_ms=dict(
-                samples=graph_ms,
-                **{k: provenance.summary(v) for k, v in graph_ms.items()},
+            graph_vs_eager_first_chunk=(
+                eager_vs_graph(s, chunks[0][0], args.reps, args.warmup, l2_flush) if cuda else None
             ),
         )
-        print(json.dumps({tokens: dict(summary_s=summ, ratio=results[str(tokens)]["copy_over_pack_shared"])}, indent=1), flush=True)
+        print(json.dumps({tokens: dict(summary_s=summ, copy_over_pack=results[str(tokens)]["copy_over_pack"])}, indent=1), flush=True)
 
     report = dict(
         provenance=provenance.record(
@@ -391,41 +384,29 @@ def main():
             timed_sources=TIMED,
             timed=(
                 "mooncake_draft_kv.send_draft_entries for prefill rank "
-                f"{PREFILL_RANK}'s {len(ranks)} decode ranks per chunk, in the worker-chunk scope "
-                "(begin_chunk/end_chunk) the hooked transfer_worker opens; pack steps timed as the "
-                "body of PackSlot.on_stream (row upload, launch, stream wait); L2 flushed before "
-                "every request and every copy"
+                f"{PREFILL_RANK}'s {len(s.ranks)} decode ranks per chunk, in the worker-chunk "
+                "scope (begin_chunk/end_chunk) the hooked transfer_worker opens; pack steps timed "
+                "as the body of PackSlot.on_stream (rows, graph replay, stream wait); L2 "
+                "flushed before every request and every copy"
             ),
             not_timed=(
-                "sglang's MooncakeKVManager and its transfer_worker loop (sglang cannot be installed "
-                "on the GPU machine): a stand-in manager holds the attributes the draft send path "
-                "reads; _transfer_data records descriptors and moves no bytes; target MLA entries"
+                "sglang's MooncakeKVManager and its transfer_worker loop (sglang cannot be "
+                "installed on the GPU machine): a stand-in manager holds the attributes the draft "
+                "send path reads; _transfer_data records descriptors and moves no bytes; target "
+                "MLA entries. The eager variant is this script's launch of the shipped prepared "
+                "kernel (the shipped path replays graphs)"
             ),
         ),
         geometry=dict(
-            example="kimi-k3",
-            prefill_tp=p_tp,
-            prefill_rank=PREFILL_RANK,
-            decode_tp=d_tp,
-            decode_ranks=ranks,
-            distinct_head_slices=len({plans[r].pair.heads for r in ranks}),
-            draft_layers=layers,
-            kv_heads=heads,
-            head_dim=dim,
-            dtype="bfloat16",
-            page_size=page,
-            chunked_prefill_size=chunk_tokens,
-            pack_buffer_bytes=buffer.nbytes,
-            pack_slot_bytes=buffer.slot_bytes,
-            fused_triton_kernel=bool(fused),
-            cuda_graph_packs=sorted(
-                bucket
-                for slot in list(buffer._free.queue)
-                for g in slot.graphed.values()
-                if g is not None
-                for bucket in g._graphs
-            ),
-        ),
+            example="kimi-k3", prefill_tp=s.p_tp, prefill_rank=PREFILL_RANK, decode_tp=s.d_tp,
+            decode_ranks=s.ranks, distinct_head_slices=len({s.sends[r].head_slice for r in s.ranks}),
+            draft_layers=s.layers, kv_heads=s.heads, head_dim=s.dim, dtype="bfloat16",
+            page_size=s.page, chunked_prefill_size=s.chunk_tokens,
+            pack_buffer_bytes=s.staging.buffer.nbytes, pack_slot_bytes=s.staging.buffer.slot_bytes,
+            fused_triton_kernel=fused, packs_prepared_at_startup=s.staging.warmed,
+            graphs_captured_at_startup=s.staging.graphs,
+            staging_startup_s=s.startup_s,
+        ),  # fmt: skip
         results=results,
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -30,6 +30,8 @@ HOOK_MODULES = (
     "sglang_dflash_pp.srt.disaggregation.mha_layer_ids",
     "sglang_dflash_pp.srt.disaggregation.prefill_draft_kv",
     "sglang_dflash_pp.srt.disaggregation.mooncake_draft_kv",
+    "sglang_dflash_pp.srt.disaggregation.draft_kv_staging",
+    "sglang_dflash_pp.srt.disaggregation.kv_write_fence",
 )
 
 

@@ -138,6 +138,17 @@ def test_example_bytes_and_descriptors_per_request(example_report):
     assert {p["bytes"] for p in k["prefill_ranks"]} == {8 * 12_582_912}
 
 
+def test_example_pack_staging_is_sized_from_the_chunk(example_report):
+    """What each last-stage GPU allocates and registers at startup for packing: per transfer
+    queue (4, sglang's default), the 8192-token chunk's pages plus one (129 x 64 rows) of every
+    draft entry's row on a prefill rank (12 entries x 2 heads x 128 x 2 B)."""
+    st = example_report["draft_kv"]["pack_staging"]
+    slot = 129 * 64 * (12 * 2 * 128 * 2)
+    assert st == dict(bytes_per_gpu=4 * slot, slots=4, slot_bytes=slot, chunk_tokens=8192,
+                      chunk_slot_bytes=slot)  # fmt: skip
+    assert slot == 50_724_864
+
+
 def test_example_text_report(example_report):
     from sglang_dflash_pp.tools.check_text import render
 
@@ -148,6 +159,8 @@ def test_example_text_report(example_report):
         "[11, 11, 11, 12, 12, 12, 12, 12]",
         "P1 (heads 2-3) -> D8-11 head 2, D12-15 head 3  [pack on prefill, then page runs]",
         "per D rank 12 descriptors, 12,582,912 bytes",
+        "P pack staging (allocated and registered at startup, per last-stage GPU): 193.5 MiB = 4 "
+        "slot(s) x 48.4 MiB",
         "Refusals: none.",
     ):
         assert fragment in text, fragment

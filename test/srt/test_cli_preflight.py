@@ -35,11 +35,11 @@ TARGET = "sglang_dflash_pp.srt.disaggregation.mooncake_draft_kv"
 def _patch(module):
     original = module._transfer
 
-    def shifted(self, session, descriptors):
+    def shifted(self, session, descriptors, *args):
         if not getattr(module, "_corrupted", False):
             module._corrupted = True
             descriptors.dst[0] += 1
-        return original(self, session, descriptors)
+        return original(self, session, descriptors, *args)
 
     module._transfer = shifted
 

@@ -399,3 +399,46 @@ def test_a_prefill_stage_never_captures_a_draft_decode_graph(monkeypatch, hosts_
         assert calls == [([("pp",), ("tp", "draft layout")], {"capture_decode_cuda_graph": False})]
     else:
         assert calls == []
+
+
+# -- the KV-write fence (kv_write_fence) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", ["last", "first"])
+def test_every_stage_records_the_kv_written_event_after_its_forward(draft, monkeypatch, stage):
+    """The event the requests' transfers wait on is recorded after the stage's whole forward: on
+    the last stage after the draft KV is in the pool, on earlier stages after the target forward
+    (its KV) and the partial."""
+    from sglang_dflash_pp.srt.speculative import dflash_pp_worker
+
+    path, model = draft
+    reqs = [SimpleNamespace(rid="a"), SimpleNamespace(rid="b")]
+    seen = []
+    if stage == "last":
+        worker, target, pool = _last_stage(model)
+        chunk = H.Chunk([(0, 0, 6)], torch.arange(40, 46))
+        kwargs = dict(pp_proxy_tensors=_proxy({
+            "hidden_states": torch.zeros(6, H.HIDDEN),
+            PARTIAL_KEY: _reference_partial(model, chunk, [0]),
+        }))  # fmt: skip
+        written = lambda: H.pool_image(pool)[..., chunk.out_cache_loc, :, :].abs().sum() > 0  # noqa: E731
+        context = lambda: __import__("contextlib").nullcontext()  # noqa: E731
+    else:
+        target = H.CapturingTarget((0,), is_last=False, dtype=torch.float32)
+        context = lambda: H.pp_stage(0, 2, path)  # noqa: E731
+        chunk = H.Chunk([(0, 0, 6)], torch.arange(6))
+        kwargs = {}
+        written = lambda: bool(target.calls)  # noqa: E731
+    target.chunk = chunk
+    monkeypatch.setattr(
+        dflash_pp_worker,
+        "record_kv_written",
+        lambda batch_reqs, device: seen.append((list(batch_reqs), device, written())),
+    )
+    with context():
+        if stage == "first":
+            worker = H.non_last_stage_worker(target, path, dtype=torch.float32)
+        batch = chunk.schedule_batch()
+        batch.reqs = reqs
+        worker.forward_batch_generation(batch, **kwargs)
+    assert seen == [(reqs, worker.device, True)]

@@ -187,7 +187,7 @@ def prefill_main() -> None:
         results = {}
         for p in case["prefill_ranks"]:
             pool = harness.make_draft_pool(case["prefill_tp"], p)
-            harness.record_source(pool)
+            harness.record_source(pool, case["prefill_tp"], p)
             kv_args = harness.prefill_kv_args(
                 pool, tp_rank=p, target_ptrs=[t.data_ptr() for t in targets]
             )

@@ -113,6 +113,10 @@ class FakeEngine:
         self.registered += list(zip(ptrs, lens))
         return 0
 
+    def batch_deregister(self, ptrs):
+        self.registered = [r for r in self.registered if r[0] not in set(ptrs)]
+        return 0
+
 
 def prefill_kv_args(pool, *, tp_rank: int, target_ptrs=None, with_draft=True, layer_ids=True):
     from sglang.srt.disaggregation.base.conn import KVArgs
@@ -171,22 +175,48 @@ def prefill_manager(
     m._dcp_pack_buffers = None
     m.bootstrap_port = 0
     m.failures = []
-    m.conclude_failure = lambda bootstrap_room, failure_reason, targets=None: m.failures.append(
-        (bootstrap_room, failure_reason)
-    )
+
+    def conclude_failure(bootstrap_room, failure_reason, targets=None):
+        # sglang's conclude_failure records the reason, tells the decode and marks the room.
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        m.failures.append((bootstrap_room, failure_reason))
+        if bootstrap_room in m.request_status:
+            m.request_status[bootstrap_room] = KVPoll.Failed
+
+    m.conclude_failure = conclude_failure
     return m
 
 
-def record_source(pool):
+def record_source(pool, tp_size=None, tp_rank=None, *, queues=2, chunk_tokens=POOL_PAGES * PAGE):
+    """What the prefill's startup records for its draft pool (``prefill_draft_kv``): the pool,
+    and, given the rank, its pack staging built by the product's own ``build_staging``."""
+    from dataclasses import replace
+
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVGeometry
     from sglang_dflash_pp.srt.disaggregation.draft_kv_source import (
         describe_draft_pool,
         record_draft_kv_source,
     )
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_staging import build_staging
 
     source = describe_draft_pool(pool, H)
     assert source.shape is not None, source.shape_unknown_reason
+    if tp_size is not None:
+        src = DraftKVGeometry.for_rank(
+            source.shape, side="prefill", tp_size=tp_size, tp_rank=tp_rank, page_size=PAGE
+        )
+        staging = build_staging(source, src, chunk_tokens=chunk_tokens, num_slots=queues)
+        source = replace(source, staging=staging)
     record_draft_kv_source(source)
     return source
+
+
+def staging_of(m):
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_source import draft_kv_source_for
+
+    source = draft_kv_source_for(m.kv_args)
+    return None if source is None else source.staging
 
 
 def decode_item_lens(
@@ -333,20 +363,23 @@ def pools(dflash_runtime_config):
 
 
 def setup_prefill(pools, tp_size, tp_rank, *, register=True, **kw):
+    """A prefill rank as its startup leaves it: the draft pool recorded with its staging, the
+    manager shell built, and sglang's (hooked) ``register_buffer_to_engine`` run."""
     pool = pools(tp_size, tp_rank)
     if register:
-        record_source(pool)
+        record_source(pool, tp_size, tp_rank, queues=kw.get("queues", 2))
     kv_args = prefill_kv_args(pool, tp_rank=tp_rank, layer_ids=kw.pop("layer_ids", True))
     m = prefill_manager(kv_args, tp_size=tp_size, tp_rank=tp_rank, **kw)
+    m.register_buffer_to_engine()
     real = [(t.data_ptr(), t.numel() * 2) for t in list(pool.k_buffer) + list(pool.v_buffer)]
     m._transfer_data = Recorder(real)
     return m, pool
 
 
 def with_pack_regions(m):
-    buf = getattr(m, "_dflash_draft_kv_pack_buffer", None)
-    if buf is not None:
-        m._transfer_data.real_regions.append((buf.ptr, buf.nbytes))
+    staging = staging_of(m)
+    if staging is not None:
+        m._transfer_data.real_regions.append((staging.buffer.ptr, staging.buffer.nbytes))
 
 
 def plan_of(registration):
@@ -488,19 +521,20 @@ def test_head_aware_send_keeps_the_bounded_index_batches(pools):
 
 
 def test_pack_chunks_and_batches_and_concurrent_workers(pools, monkeypatch):
-    """A 1 MB pack buffer in 2 slots (5 pages need 3 chunks), 5-descriptor batches, 4 threads at once."""
+    """A 2 MB pack buffer in 4 slots, one per thread as sglang runs one worker per queue (5 pages
+    need 3 windows), 5-descriptor batches, 4 threads at once."""
 
-    monkeypatch.setenv("SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB", "1")
+    monkeypatch.setenv("SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB", "2")
     monkeypatch.setenv("SGLANG_DFLASH_DRAFT_KV_MAX_BATCH_DESCRIPTORS", "5")
-    m, _ = setup_prefill(pools, 4, 1)
+    m, _ = setup_prefill(pools, 4, 1, queues=4)
     regs = [
         decode_registration(f"d:{r}", tp_size=32, tp_rank=r, kv_ptrs=None) for r in range(8, 16)
     ]
     for reg in regs:
         reg.dst_kv_ptrs = [p + reg.dst_tp_rank * 50_000_000 for p in reg.dst_kv_ptrs]
         assert m._publish_peer_registration(reg.mooncake_session_id, reg) is None
-    assert len(m.engine.registered) == 1 and m.engine.registered[0][1] == 1 << 20  # registered once
-    buf = m._dflash_draft_kv_pack_buffer
+    buf = staging_of(m).buffer
+    assert m.engine.registered.count((buf.ptr, 2 << 20)) == 1  # registered once, at startup
     assert buf.slot_bytes == 1 << 19 and buf.slot_bytes // (12 * 16384) == 2
     with_pack_regions(m)
 

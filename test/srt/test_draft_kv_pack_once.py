@@ -46,21 +46,25 @@ def run_rooms(m, regs, rooms):
 
 @pytest.fixture
 def pack_calls(monkeypatch):
-    """Every call of the pack function, on the shipped path and on the per-send fallback:
-    a list of [(source data_ptr, byte offset, width), ...] per call."""
-    from sglang_dflash_pp.srt.disaggregation import draft_kv_chunk_packs, draft_kv_pack
+    """Every pack the send path runs, on the shared-slab path and on the per-send fallback
+    (both go through ``draft_kv_chunk_packs.pack_slices``): a list of
+    [(source data_ptr, byte offset, width), ...] per call."""
+    from sglang_dflash_pp.srt.disaggregation import draft_kv_chunk_packs
 
     calls = []
-    real = draft_kv_pack.pack_row_slices
+    real = draft_kv_chunk_packs.pack_slices
 
-    def counting(sources, rows, offsets, widths, out):
+    def counting(slot, at, slices, prepared, rows, written=()):
         calls.append(
-            [(s.data_ptr(), int(o), int(w)) for s, o, w in zip(sources, offsets, widths)]
+            [
+                (prepared.sources[q].data_ptr(), int(o), int(w))
+                for s in slices
+                for q, o, w in zip(s.src_entries, s.byte_offsets, s.byte_widths)
+            ]
         )
-        return real(sources, rows, offsets, widths, out)
+        return real(slot, at, slices, prepared, rows, written)
 
-    monkeypatch.setattr(draft_kv_chunk_packs, "pack_row_slices", counting)
-    monkeypatch.setattr(draft_kv_pack, "pack_row_slices", counting)
+    monkeypatch.setattr(draft_kv_chunk_packs, "pack_slices", counting)
     return calls
 
 
@@ -104,8 +108,8 @@ def test_tp4_to_tp32_packs_each_distinct_head_slice_once_per_chunk(pools, pack_c
     dst = [p for _, d in rooms.values() for p in d]
     assert_every_rank_holds_its_heads(m, regs, src, dst, calls)
     # The slot came back: every slot free once the worker is done.
-    buf = m._dflash_draft_kv_pack_buffer
-    assert buf._free.qsize() == len(m.transfer_queues)
+    buf = harness.staging_of(m).buffer
+    assert buf.free_slots() == len(m.transfer_queues)
 
 
 def test_slices_that_do_not_fit_together_are_packed_one_at_a_time(pools, pack_calls, monkeypatch):
@@ -137,30 +141,45 @@ def test_a_slice_larger_than_a_slot_is_packed_per_decode_rank_in_windows(pools, 
     assert_every_rank_holds_its_heads(
         m, regs, harness.SRC_PAGES, harness.DST_PAGES, m._transfer_data.calls
     )
-    assert m._dflash_draft_kv_pack_buffer._free.qsize() == 2
+    assert harness.staging_of(m).buffer.free_slots() == 2
+
+
+def _two_head_rank(rows: int = 64, pages_bytes: int = 1 << 16, slots: int = 1):
+    """A prefill rank holding 2 heads of 4 int16 (8 B each) in one K and one V entry, page size 4,
+    its staging buffer and its prepared packs (``PreparedPacks``: heads 0 and 1 at 1 head per
+    decode rank)."""
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import PreparedPacks
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVGeometry
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import PackStagingBuffer, as_byte_rows
+
+    geometry = DraftKVGeometry("prefill", 1, 0, 2, 4, 4, 2, 4)
+    tensors = [torch.arange(rows * 8, dtype=torch.int16).reshape(rows, 8) + 1000 * e for e in (0, 1)]
+    src = [as_byte_rows(t) for t in tensors]
+    buf = PackStagingBuffer(pages_bytes, slots, torch.device("cpu"), max_rows=rows)
+    prepared = PreparedPacks(src, geometry, buf.slots[0].buffer)
+    a, b = prepared.partition(next(iter(prepared.partitions)))
+    return buf, prepared, tensors, a, b
 
 
 def test_the_slot_is_given_back_after_the_last_reader():
     """ChunkPacks on its own: the slot is held while a reader of a packed slice is left."""
-    from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import ChunkPacks, HeadSlice
-    from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import PackStagingBuffer, as_byte_rows
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import ChunkPacks
 
-    buf = PackStagingBuffer(1 << 16, 1, torch.device("cpu"), lambda ptr, n: None)
-    src = [as_byte_rows(torch.arange(64 * 8, dtype=torch.int16).reshape(64, 8))]
-    a = HeadSlice(range(0, 1), (0,), (0,), (8,))
-    b = HeadSlice(range(1, 2), (0,), (8,), (8,))
-    packs = ChunkPacks(buf, {a: {"r0", "r1"}, b: {"r2"}}, lambda: src, page_size=4)
+    buf, prepared, tensors, a, b = _two_head_rank()
+    assert (a.heads, b.heads) == (range(0, 1), range(1, 2)) and a.byte_offsets == (0, 0)
+    packs = ChunkPacks(buf, prepared, {a: {"r0", "r1"}, b: {"r2"}}, page_size=4)
     offsets = packs.slab(a, [3, 1])
-    assert buf._free.qsize() == 0 and packs.launches == 1 and packs.slices_packed == 2
+    assert buf.free_slots() == 0 and packs.launches == 1 and packs.slices_packed == 2
     rows = np.r_[12:16, 4:8]
-    got = packs.slot.buffer[offsets[0] : offsets[0] + 8 * 8].view(torch.int16).reshape(8, 4)
-    assert torch.equal(got, src[0].view(torch.int16)[rows, :4])  # independent: plain indexing
+    for e, at in enumerate(offsets):  # independent oracle: plain indexing of head 0
+        got = packs.slot.buffer[at : at + 8 * 8].view(torch.int16).reshape(8, 4)
+        assert torch.equal(got, tensors[e][rows, :4])
     assert packs.slab(b, [3, 1]) is not None and packs.launches == 1  # already packed
     for reader, piece in (("r0", a), ("r2", b)):
         packs.done(piece, reader)
-        assert buf._free.qsize() == 0
+        assert buf.free_slots() == 0
     packs.done(a, "r1")
-    assert buf._free.qsize() == 1 and packs.slot is None
+    assert buf.free_slots() == 1 and packs.slot is None
 
 
 def test_slots_start_on_aligned_boundaries_for_any_slot_count():
@@ -169,31 +188,60 @@ def test_slots_start_on_aligned_boundaries_for_any_slot_count():
     from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import PackStagingBuffer
 
     for slots in (1, 3, 5, 7):
-        buf = PackStagingBuffer(256 << 10, slots, torch.device("cpu"), lambda ptr, n: None)
-        taken = [buf._free.get() for _ in range(slots)]
+        buf = PackStagingBuffer((256 << 10) // slots, slots, torch.device("cpu"), max_rows=16)
+        taken = [buf.take() for _ in range(slots)]
+        assert buf.take() is None  # no slot is ever shared
         assert all((s.ptr - buf.ptr) % 256 == 0 for s in taken), slots
         assert all(s.buffer.numel() == buf.slot_bytes > 0 for s in taken)
         assert slots * buf.slot_bytes <= 256 << 10
+
+
+def test_a_slot_whose_transfer_failed_is_quarantined(monkeypatch):
+    """batch_transfer_sync returns on its timeout with the batch maybe still reading the slot:
+    the slot stays out of use for QUARANTINE_S, then comes back."""
+    from sglang_dflash_pp.srt.disaggregation import draft_kv_pack
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import ChunkPacks
+
+    buf, prepared, _, a, b = _two_head_rank()
+    packs = ChunkPacks(buf, prepared, {a: {"r0"}, b: {"r1"}}, page_size=4)
+    assert packs.slab(a, [1]) is not None and buf.free_slots() == 0
+    packs.failed()
+    assert packs.slot is None and buf.free_slots() == 0 and buf.take() is None
+    later = ChunkPacks(buf, prepared, {a: {"r0"}}, page_size=4)
+    assert later.slab(a, [1]) is None  # no free slot: the caller sends without one
+    now = draft_kv_pack.time.monotonic()
+    monkeypatch.setattr(draft_kv_pack.time, "monotonic", lambda: now + draft_kv_pack.QUARANTINE_S)
+    assert buf.free_slots() == 1 and later.slab(a, [1]) is not None
+
+
+def test_page_ids_outside_the_pool_are_refused_before_a_pack():
+    """A bad page id would make the GPU kernel fault (sticky, the stage dies): refused on the host."""
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import ChunkPacks
+
+    buf, prepared, _, a, b = _two_head_rank(rows=64)  # 16 pages of 4
+    packs = ChunkPacks(buf, prepared, {a: {"r0"}}, page_size=4)
+    for bad in ([16], [-1], [3, 99]):
+        with pytest.raises(IndexError, match="outside the pool's 16 pages"):
+            packs.slab(a, bad)
+    assert buf.free_slots() == 1 and packs.launches == 0
+    assert packs.slab(a, [15]) is not None
 
 
 def test_a_trimmed_request_is_served_from_the_packed_pages_within_the_slot():
     """A decode rank whose pages sglang trimmed is served from the slab of the full page list;
     a slice packed later for it must be sized by the pages actually packed (not by the trimmed
     list), or the pack would run past the slot."""
-    from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import ChunkPacks, HeadSlice
-    from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import PackStagingBuffer, as_byte_rows
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import ChunkPacks
 
-    # 16 pages x 4 rows x 8 bytes = 512 B per slice: one fits a 768-byte slot, two do not.
-    buf = PackStagingBuffer(768, 1, torch.device("cpu"), lambda ptr, n: None)
-    src = [as_byte_rows(torch.arange(64 * 8, dtype=torch.int16).reshape(64, 8))]
-    a = HeadSlice(range(0, 1), (0,), (0,), (8,))
-    b = HeadSlice(range(1, 2), (0,), (8,), (8,))
-    packs = ChunkPacks(buf, {a: {"r0"}, b: {"r1"}}, lambda: src, page_size=4)
+    # 16 pages x 4 rows x 16 bytes (K and V, one head each) = 1 KiB per slice: one fits a
+    # 1.5 KiB slot, two do not.
+    buf, prepared, tensors, a, b = _two_head_rank(pages_bytes=1536)
+    packs = ChunkPacks(buf, prepared, {a: {"r0"}, b: {"r1"}}, page_size=4)
     pages = list(range(16))
     packs.slab(a, pages)
     assert packs.slices_packed == 1  # both do not fit together: a alone
     offsets = packs.slab(b, pages[:1])  # trimmed to one page, covered by the packed pages
     assert packs.slices_packed == 2 and packs.launches == 2
-    assert offsets[0] + 16 * 4 * 8 <= buf.slot_bytes
+    assert offsets[-1] + 16 * 4 * 8 <= buf.slot_bytes
     got = packs.slot.buffer[offsets[0] : offsets[0] + 4 * 8].view(torch.int16).reshape(4, 4)
-    assert torch.equal(got, src[0].view(torch.int16)[0:4, 4:8])
+    assert torch.equal(got, tensors[0][0:4, 4:8])

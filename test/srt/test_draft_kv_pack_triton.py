@@ -45,7 +45,7 @@ for heads, dim, take, entries, rows in [
         a = torch.zeros(entries * len(rows) * slice_bytes + 8, dtype=torch.uint8)
         b = torch.zeros_like(a)
         sa = pack_row_slices(sources, r, offsets, widths, a)
-        sb = fused.pack_row_slices_fused(sources, r, offsets, widths, b)
+        sb = fused.FusedPack(sources, offsets, widths, b.device)(r, b)
         reference = torch.cat(
             [p[r][:, first : first + take, :].contiguous().view(torch.uint8).reshape(-1) for p in pools]
             or [torch.zeros(0, dtype=torch.uint8)]
@@ -60,47 +60,30 @@ for heads, dim, take, entries, rows in [
             bytes=n,
         ))
 # The send path's shape: every distinct head slice of a chunk in one call (the sources repeated,
-# one offset per slice), then the same cached table for other rows at another output offset.
+# one offset per slice), one prepared table for other rows at other output offsets of one slot
+# (the kernel's row count and output offset are run-time arguments, not specialisations).
 pools = [torch.randn(256, 2, 128).to(torch.bfloat16) for _ in range(12)]
 sources = [as_byte_rows(p) for p in pools]
 both = sources * 2
 offsets = [0] * 12 + [256] * 12
-for rows, at in (([5, 6, 7, 64], 0), ([100, 3, 3, 200, 9], 4096)):
+pack = fused.FusedPack(both, offsets, [256] * 24, torch.device("cpu"))
+slot = torch.zeros(4096 + 24 * 5 * 256 + 8, dtype=torch.uint8)
+for rows, at in (([5, 6, 7, 64], 0), ([100, 3, 3, 200, 9], 4096), ([7], 8)):
     r = torch.tensor(rows, dtype=torch.int64)
-    b = torch.zeros(at + 24 * len(rows) * 256 + 8, dtype=torch.uint8)
-    sb = fused.pack_row_slices_fused(both, r, offsets, [256] * 24, b[at:])
+    slot.zero_()
+    sb = pack(r, slot, at)
     reference = torch.cat(
         [p[r][:, h, :].contiguous().view(torch.uint8).reshape(-1) for h in (0, 1) for p in pools]
     )
     n = reference.numel()
     results.append(dict(
         case=["both slices", len(rows), at],
-        slabs_equal=sb == [e * len(rows) * 256 for e in range(24)],
-        fused_equals_fallback=bool((b[:at] == 0).all()),
-        fused_equals_reference=bool(torch.equal(b[at : at + n], reference)),
-        tail_untouched=bool((b[at + n :] == 0).all()),
+        slabs_equal=sb == [at + e * len(rows) * 256 for e in range(24)],
+        fused_equals_fallback=bool((slot[:at] == 0).all()),
+        fused_equals_reference=bool(torch.equal(slot[at : at + n], reference)),
+        tail_untouched=bool((slot[at + n :] == 0).all()),
         bytes=n,
     ))
-# The CUDA-graph form's launch: grid for a bucket of rows, the row count read on the device
-# (the graph itself needs a GPU; its launch is this one).
-pack = fused.FusedPack(both, offsets, [256] * 24, torch.device("cpu"))
-rows = [7, 1, 250, 3, 3]
-n_and_rows = torch.tensor([len(rows)] + rows + [0] * (64 - len(rows)), dtype=torch.int64)
-b = torch.zeros(24 * 64 * 256, dtype=torch.uint8)
-pack.launch(n_and_rows[1:], b, 64, n_ptr=n_and_rows)
-r = torch.tensor(rows, dtype=torch.int64)
-reference = torch.cat(
-    [p[r][:, h, :].contiguous().view(torch.uint8).reshape(-1) for h in (0, 1) for p in pools]
-)
-n = reference.numel()
-results.append(dict(
-    case=["row count on the device", len(rows), 64],
-    slabs_equal=True,
-    fused_equals_fallback=True,
-    fused_equals_reference=bool(torch.equal(b[:n], reference)),
-    tail_untouched=bool((b[n:] == 0).all()),
-    bytes=n,
-))
 print(json.dumps(results))
 """
 
@@ -112,7 +95,7 @@ def test_fused_kernel_bytes_equal_the_fallback_and_a_reference():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 2 + 4 + 1 + 4 + 2 + 2 + 1
+    assert len(results) == 2 + 4 + 1 + 4 + 2 + 3
     for r in results:
         assert r["fused_equals_fallback"] and r["fused_equals_reference"], r
         assert r["slabs_equal"] and r["tail_untouched"], r
@@ -135,8 +118,64 @@ def test_pack_row_slices_takes_the_kernel_whenever_it_is_eligible(monkeypatch):
     from sglang_dflash_pp.srt.disaggregation import draft_kv_pack
 
     calls = []
+
+    class Recording:
+        def __init__(self, *args):
+            pass
+
+        def __call__(self, rows, out, at=0):
+            calls.append(rows)
+            return [0]
+
     monkeypatch.setattr(fused, "eligible", lambda *a: True)
-    monkeypatch.setattr(fused, "pack_row_slices_fused", lambda *a: calls.append(a) or [0])
+    monkeypatch.setattr(fused, "FusedPack", Recording)
     pools = [as_byte_rows(torch.zeros(4, 2, 8, dtype=torch.bfloat16))]
     assert draft_kv_pack.pack_row_slices(pools, torch.tensor([0]), [0], [16], torch.empty(64, dtype=torch.uint8)) == [0]
     assert len(calls) == 1
+
+
+def test_the_kernel_compiles_once_per_width_whatever_the_rows_and_offsets():
+    """No pack may compile while serving: the row count and the slab offset are run-time
+    arguments the JIT does not specialise on, so one compile per slice width and launch form
+    (done at startup by ``PreparedPacks.warm``) serves every chunk."""
+    params = {p.name: p for p in fused._pack_rows_kernel.params}
+    assert params["n_rows"].do_not_specialize and params["out_word"].do_not_specialize
+    constexprs = {name for name, p in params.items() if p.is_constexpr}
+    # Fixed by the slice width, and whether the count comes from the device (the graphs).
+    assert constexprs == {"WIDTH", "BLOCK_COLS", "BLOCK_ROWS", "ARGS_ON_DEVICE"}
+
+
+DEVICE_ARGS = r"""
+import json, torch
+from sglang_dflash_pp.srt.disaggregation import draft_kv_pack_triton as fused
+from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import as_byte_rows
+
+torch.manual_seed(1)
+pools = [torch.randn(128, 2, 64).to(torch.bfloat16) for _ in range(4)]
+pack = fused.FusedPack([as_byte_rows(p) for p in pools], [128] * 4, [128] * 4, torch.device("cpu"))
+out = []
+for rows, at, bucket in (([3, 9, 9, 100], 64, 16), ([7], 0, 16), (list(range(20, 36)), 8, 16)):
+    args = torch.tensor([len(rows), at // 8] + rows + [0] * (bucket - len(rows)), dtype=torch.int64)
+    slot = torch.zeros(16 * 1024, dtype=torch.uint8)
+    pack.launch(None, slot, bucket, args=args)  # the graphs' launch: grid for the bucket
+    r = torch.tensor(rows)
+    want = torch.cat([p[r][:, 1, :].contiguous().view(torch.uint8).reshape(-1) for p in pools])
+    n = want.numel()
+    out.append(dict(ok=bool(torch.equal(slot[at : at + n], want)),
+                    untouched=bool((slot[:at] == 0).all() and (slot[at + n :] == 0).all())))
+print(json.dumps(out))
+"""
+
+
+def test_the_graphs_launch_reads_the_count_offset_and_rows_on_the_device():
+    """The form the CUDA graphs capture (``GraphedPack``): grid for a bucket of rows, the row
+    count, the slab offset and the rows read from one device buffer, so one graph per bucket
+    serves every chunk (the graph itself needs a GPU; its launch runs here under the
+    interpreter)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", DEVICE_ARGS], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results == [dict(ok=True, untouched=True)] * 3

@@ -94,20 +94,50 @@ def test_only_the_last_pp_stage_registers_draft_entries(
     assert q.draft_token_to_kv_pool is draft  # the queue keeps its pool; only the listing changed
 
 
-def test_dflash_mooncake_prefill_records_the_draft_geometry(sglang_with_plugin):
-    draft = mha_pool(heads=1, layers=3, head_dim=64)
-    q = queue_shell(pp_rank=0, pp_size=1, draft_pool=draft, backend="MOONCAKE", draft_heads=8)
+@pytest.fixture
+def attention_tp(dflash_runtime_config, monkeypatch):
+    """This process as attention-TP rank ``rank`` of ``size`` (what the prefill's startup reads
+    through ``prefill_draft_kv.attention_tp``), with a published ``--chunked-prefill-size``."""
+    import contextlib
+
+    from sglang.srt.runtime_context import get_context
+
+    @contextlib.contextmanager
+    def run(size: int, rank: int, chunked_prefill_size: int = 256):
+        override = get_context().override_server_args(
+            speculative_algorithm="DFLASH", chunked_prefill_size=chunked_prefill_size
+        )
+        override.install()
+        monkeypatch.setattr(prefill_draft_kv, "attention_tp", lambda: (size, rank))
+        try:
+            yield
+        finally:
+            override.restore()
+
+    return run
+
+
+def _startup_source(q, draft):
+    """Run the hook; return the draft source the bootstrap thread would see inside the
+    original (a decode can register as soon as the KV manager exists)."""
     seen = {}
 
     def original(self):
-        # What the bootstrap thread would see if a decode registered right now.
         ptrs = draft.get_contiguous_buf_infos()[0]
         kv_args = types.SimpleNamespace(kv_data_ptrs=[1, 2] + ptrs, num_draft_entries=len(ptrs))
         seen["source"] = draft_kv_source.draft_kv_source_for(kv_args)
         return "manager"
 
     assert prefill_draft_kv.init_kv_manager_around(original, q) == "manager"
-    source = seen["source"]
+    return seen["source"]
+
+
+def test_dflash_mooncake_prefill_records_the_draft_geometry(attention_tp):
+    draft = mha_pool(heads=1, layers=3, head_dim=64)
+    q = queue_shell(pp_rank=0, pp_size=1, draft_pool=draft, backend="MOONCAKE", draft_heads=8)
+    with attention_tp(8, 3):
+        source = _startup_source(q, draft)
+    assert source.staging is None  # one head per rank: no decode holds fewer, nothing to pack
     assert source is not None and source.shape_unknown_reason is None
     assert (
         source.shape.total_heads,
@@ -190,3 +220,37 @@ def test_hooks_are_registered_and_applied(sglang_with_plugin):
     registered = {(h.target, h.hook) for h in registered_hooks()}
     for hook in ours:
         assert (hook.target, hook.hook) in registered and is_applied(hook), hook.name
+
+
+def test_the_pack_staging_is_built_and_warmed_at_startup(attention_tp, monkeypatch):
+    """A rank with 2 draft heads (8 over attention TP4): the staging exists before the KV
+    manager does, sized from the chunk (256 tokens + one page, 4 pages of 64 -> 5 pages), one
+    slot per transfer queue, every pack it can be asked for prepared and run once."""
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_QUEUE_SIZE", "3")
+    draft = mha_pool(heads=2, layers=3, head_dim=64)
+    q = queue_shell(pp_rank=0, pp_size=1, draft_pool=draft, backend="MOONCAKE", draft_heads=8)
+    with attention_tp(4, 1, chunked_prefill_size=256):
+        source = _startup_source(q, draft)
+    staging = source.staging
+    row_bytes = 2 * 3 * 2 * 64 * 2  # K and V, 3 layers, 2 heads, head dim 64, bf16
+    assert staging.size.chunk_slot_bytes == 5 * 64 * row_bytes
+    assert staging.buffer.slot_bytes == staging.size.chunk_slot_bytes and staging.size.num_slots == 3
+    assert staging.buffer.free_slots() == 3 and staging.buffer.device == torch.device("cpu")
+    (partition,) = set(staging.prepared.partitions.values())
+    assert [s.heads for s in partition] == [range(2, 3), range(3, 4)]  # rank 1 holds heads 2-3
+    assert staging.warmed == 3  # both heads at once, and each alone
+
+
+def test_a_pack_staging_that_cannot_be_allocated_stops_the_server(attention_tp, monkeypatch):
+    from sglang_dflash_pp.srt.disaggregation import draft_kv_staging
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 48.00 MiB")
+
+    monkeypatch.setattr(draft_kv_staging, "PackStagingBuffer", no_memory)
+    draft = mha_pool(heads=2, layers=3, head_dim=64)
+    q = queue_shell(pp_rank=0, pp_size=1, draft_pool=draft, backend="MOONCAKE", draft_heads=8)
+    with attention_tp(4, 1), pytest.raises(RuntimeError) as info:
+        prefill_draft_kv.init_kv_manager_around(lambda self: pytest.fail("started anyway"), q)
+    assert "pack staging could not be set up" in str(info.value)
+    assert "SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB" in str(info.value)

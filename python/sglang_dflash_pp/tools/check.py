@@ -361,6 +361,10 @@ def _draft_kv(inputs, p: Resolution, d: Resolution, models: _Models, page_size: 
     from sglang.srt.environ import envs
 
     from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_staging import (
+        PACK_BUFFER_MB_ENV,
+        staging_size,
+    )
     from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import (
         DraftKVLayoutError,
         DraftKVShape,
@@ -370,9 +374,7 @@ def _draft_kv(inputs, p: Resolution, d: Resolution, models: _Models, page_size: 
 
     try:
         mooncake_draft_kv.check_environment()
-        slot = mooncake_draft_kv.pack_buffer_bytes() // max(
-            1, envs.SGLANG_DISAGGREGATION_QUEUE_SIZE.get()
-        )
+        num_slots = max(1, int(envs.SGLANG_DISAGGREGATION_QUEUE_SIZE.get()))
         max_batch_pages = int(envs.SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES.get())
     except ValueError as e:
         refusals.add("draft KV transfer environment (mooncake_draft_kv)", str(e))
@@ -394,6 +396,13 @@ def _draft_kv(inputs, p: Resolution, d: Resolution, models: _Models, page_size: 
             decode_tp=side_parallel(d).draft_tp.size,
             pp_size=int(p.value("pp_size", 1)),
         )
+        staging = staging_size(
+            topo.geometry("prefill", 0),
+            2 * topo.num_layers,
+            chunk_tokens=transfer_chunk_tokens(p),
+            num_slots=num_slots,
+        )
+        slot = staging.slot_bytes
         rep = report(
             topo, inputs.prompt_tokens, pack_slot_bytes=slot, max_batch_pages=max_batch_pages
         )
@@ -404,6 +413,14 @@ def _draft_kv(inputs, p: Resolution, d: Resolution, models: _Models, page_size: 
         refusals.add("draft KV pool", str(e))
         return
     rep["dtype"] = str(kv_dtype).replace("torch.", "")
+    if topo.geometry("prefill", 0).heads_per_rank > 1:  # a rank holding one head never packs
+        rep["pack_staging"] = dict(
+            bytes_per_gpu=staging.total_bytes,
+            slots=staging.num_slots,
+            slot_bytes=staging.slot_bytes,
+            chunk_tokens=staging.chunk_tokens,
+            chunk_slot_bytes=staging.chunk_slot_bytes,
+        )
     for w in (w for pr in rep["prefill_ranks"] for w in pr["writes"]):
         if w["regime"] == "pack on prefill, then page runs":
             per_page = w["bytes"] // rep["pages"]
@@ -411,10 +428,23 @@ def _draft_kv(inputs, p: Resolution, d: Resolution, models: _Models, page_size: 
                 refusals.add(
                     "draft KV pack buffer (mooncake_draft_kv)",
                     f"a draft KV pack slot holds {slot} B, less than one page of a decode rank's "
-                    f"draft heads ({per_page} B); raise {mooncake_draft_kv.PACK_BUFFER_MB_ENV}.",
+                    f"draft heads ({per_page} B); raise or unset {PACK_BUFFER_MB_ENV}.",
                 )
                 break
     out["draft_kv"] = rep
+
+
+def transfer_chunk_tokens(p: Resolution) -> int:
+    """The most tokens one prefill step (so one transfer chunk) covers: the ceiling sglang 0.5.23
+    sizes its prefill buffers by (``runtime_context.max_prefill_buffer_tokens``: the chunked
+    prefill size, grown toward ``max_prefill_tokens`` by PP dynamic chunking), evaluated on the
+    resolved arguments; ``max_prefill_tokens`` without chunked prefill."""
+    chunked = int(p.value("chunked_prefill_size", 0) or 0)
+    chunked = chunked if chunked > 0 else 0
+    max_prefill = int(p.value("max_prefill_tokens", 0) or 0)
+    if chunked and p.value("enable_dynamic_chunking", False) and int(p.value("pp_size", 1)) > 1:
+        return max(chunked, max_prefill, -(-chunked * 5 // 4))
+    return chunked or max_prefill
 
 
 def _last_stage_draft_weights(p: Resolution, ownership, models: _Models, out: dict) -> None:

@@ -155,6 +155,14 @@ def _draft_kv(k: dict) -> List[str]:
             f"page item_len "
             f"K {g['k_item_len']:,} B, V {g['v_item_len']:,} B; {shown}"
         )
+    st = k.get("pack_staging")
+    if st:
+        lines.append(
+            f"  P pack staging (allocated and registered at startup, per last-stage GPU): "
+            f"{st['bytes_per_gpu'] / (1 << 20):,.1f} MiB = {st['slots']} slot(s) x "
+            f"{st['slot_bytes'] / (1 << 20):,.1f} MiB (a {st['chunk_tokens']:,}-token chunk's "
+            f"head slices in one pack: {st['chunk_slot_bytes'] / (1 << 20):,.1f} MiB)"
+        )
     lines.append("Writer map (last P stage's ranks; which heads each writes to which D ranks):")
     lines += [f"  {ln}" for ln in writer_lines(k)]
     dr = k["decode_ranks"]

@@ -179,21 +179,20 @@ class PrefillRankSender:
     KV args, the batching knob, the engine (to register the pack buffer) and ``_transfer_data``
     (here the real engine's ``batch_transfer_sync_write``, counted)."""
 
-    def __init__(self, engine, rank: int, ptrs: List[int], item_lens: List[int], num_draft: int):
-        self.engine = self
+    def __init__(self, engine, rank: int, ptrs: List[int], lens: List[int], item_lens: List[int],
+                 num_draft: int):  # fmt: skip
         self._engine = engine
         self.rank = rank
         self.kv_args = SimpleNamespace(
-            kv_data_ptrs=list(ptrs), kv_item_lens=list(item_lens), num_draft_entries=num_draft
+            kv_data_ptrs=list(ptrs),
+            kv_data_lens=list(lens),
+            kv_item_lens=list(item_lens),
+            num_draft_entries=num_draft,
         )
         self.max_transfer_batch_indices = 0
-        self.transfer_queues = [None]  # one pack slot: the whole staging buffer
         self.calls: List[int] = []  # descriptors per engine call
         self.bytes = 0
         self.pack_buffer = None
-
-    def batch_register(self, ptrs, lens) -> int:
-        return self._engine.batch_register_memory(list(ptrs), list(lens))
 
     def _transfer_data(self, session: str, blocks) -> int:
         src, dst, length = (list(x) for x in zip(*blocks)) if blocks else ([], [], [])
@@ -299,10 +298,14 @@ def _engine():
 def _register(spec: PreflightSpec, engine, rank_pools):
     """Register every prefill rank's draft pool as sglang does (each K and V buffer, from
     ``get_contiguous_buf_infos``) and record it for the send path (``describe_draft_pool``)."""
+    from dataclasses import replace
+
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVGeometry
     from sglang_dflash_pp.srt.disaggregation.draft_kv_source import (
         describe_draft_pool,
         record_draft_kv_source,
     )
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_staging import build_staging
 
     senders, sources = [], []
     for p, pool in enumerate(rank_pools):
@@ -313,8 +316,22 @@ def _register(spec: PreflightSpec, engine, rank_pools):
         source = describe_draft_pool(pool, spec.draft_heads)
         if source.shape is None:
             raise RuntimeError(f"prefill rank {p}'s pool: {source.shape_unknown_reason}")
+        sender = PrefillRankSender(engine, p, ptrs, lens, item_lens, len(ptrs))
+        sender.kv_args.page_size = spec.page_size
+        # The staging the prefill builds at startup (one slot: one transfer queue), registered.
+        src = DraftKVGeometry.for_rank(
+            source.shape, side="prefill", tp_size=spec.p_tp, tp_rank=p, page_size=spec.page_size
+        )
+        staging = build_staging(source, src, chunk_tokens=spec.tokens, num_slots=1)
+        if staging is not None:
+            buf = staging.buffer
+            rc = engine.batch_register_memory([buf.ptr], [buf.nbytes])
+            if rc != 0:
+                raise RuntimeError(f"Mooncake refused prefill rank {p}'s pack buffer (rc={rc})")
+            sender.pack_buffer = buf
+        source = replace(source, staging=staging)
         record_draft_kv_source(source)
-        senders.append(PrefillRankSender(engine, p, ptrs, item_lens, len(ptrs)))
+        senders.append(sender)
         sources.append(source)
     return senders, sources
 
@@ -328,7 +345,7 @@ def _send_all(spec: PreflightSpec, senders, sources, decode: dict) -> list:
         PrefillSide,
         peer_verdict,
     )
-    from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import Regime, prefill_ranks_for
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import prefill_ranks_for
     from sglang_dflash_pp.tools.draft_kv_report import DraftKVTopology, writes_draft
 
     session = decode["session"]
@@ -367,11 +384,10 @@ def _send_all(spec: PreflightSpec, senders, sources, decode: dict) -> list:
                 # A stock verdict (equal heads per rank): sglang's own whole-page copy, whose
                 # descriptors the same send function builds for this regime.
                 plan = DraftKVPeerPlan(plan.action, pair, entries)
-            if pair.regime is Regime.PACK_SOURCE:
-                sender.pack_buffer = mooncake_draft_kv._pack_buffer(sender, source)
             calls0, bytes0 = len(sender.calls), sender.bytes
+            send = mooncake_draft_kv.DraftSend.of(sender, plan, published["kv_ptrs"])
             ret = mooncake_draft_kv.send_draft_entries(
-                sender, plan, session, spec.src_pages, spec.dst_pages, published["kv_ptrs"]
+                sender, send, session, spec.src_pages, spec.dst_pages
             )
             if ret != 0:
                 raise RuntimeError(

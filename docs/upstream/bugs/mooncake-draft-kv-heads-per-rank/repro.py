@@ -233,21 +233,32 @@ def main() -> None:
     pool = prefill_draft_pool()
     target_buffers = [torch.zeros(POOL_PAGES * MLA_ITEM, dtype=torch.uint8) for _ in range(NUM_TARGET_LAYERS)]
     m = prefill_manager(pool, target_buffers)
+    pack = None
     if mode == "with-plugins":
-        # What the plugin's PrefillBootstrapQueue._init_kv_manager hook records at startup.
+        # What the plugin's PrefillBootstrapQueue._init_kv_manager hook records at startup:
+        # the draft pool, and the pack staging it builds for this rank.
+        from dataclasses import replace
+
+        from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVGeometry
         from sglang_dflash_pp.srt.disaggregation.draft_kv_source import (
             describe_draft_pool,
             record_draft_kv_source,
         )
+        from sglang_dflash_pp.srt.disaggregation.draft_kv_staging import build_staging
 
-        record_draft_kv_source(describe_draft_pool(pool, H))
+        source = describe_draft_pool(pool, H)
+        geometry = DraftKVGeometry.for_rank(
+            source.shape, side="prefill", tp_size=P_TP, tp_rank=P_RANK, page_size=PAGE
+        )
+        staging = build_staging(source, geometry, chunk_tokens=POOL_PAGES * PAGE, num_slots=1)
+        record_draft_kv_source(replace(source, staging=staging))
+        pack = staging.buffer
     reg = decode_registration()
     rejection = m._publish_peer_registration(reg.mooncake_session_id, reg)
 
     regions = [(t.data_ptr(), t.numel()) for t in target_buffers]
     regions += [(t.data_ptr(), t.numel() * t.element_size()) for t in list(pool.k_buffer) + list(pool.v_buffer)]
-    pack = getattr(m, "_dflash_draft_kv_pack_buffer", None)  # the plugin's staging buffer, if any
-    if pack is not None:
+    if pack is not None:  # the plugin's staging buffer
         regions.append((pack.ptr, pack.nbytes))
     m._transfer_data = Recorder(regions)
     m.send_kvcache(
@@ -260,8 +271,6 @@ def main() -> None:
         dst_kv_item_len=reg.dst_kv_item_len,
         dst_attn_tp_size=reg.dst_attn_tp_size,
     )
-    if pack is None:
-        pack = getattr(m, "_dflash_draft_kv_pack_buffer", None)
 
     k0_base = reg.dst_kv_ptrs[NUM_TARGET_LAYERS]
     k0 = [[dst, n] for _s, dst, n, _ in m._transfer_data.writes if k0_base <= dst < k0_base + DECODE_ENTRY_STRIDE]

@@ -5,42 +5,46 @@ Why: sglang's transfer worker sends one chunk of a request to each decode rank i
 (``send_kvcache`` once per decode rank). When the decode TP is larger than the prefill's
 (``Regime.PACK_SOURCE``), several decode ranks hold the same heads: at Kimi-K3's TP4 -> TP32 a
 prefill rank serves 8 decode ranks but only 2 distinct head slices, so packing per send gathers
-every byte 4 times. Here the first send of a chunk packs every slice the chunk's decode ranks
-need, in one launch when they fit in the worker's pack slot together, and each later send of the
-chunk only builds descriptors into the packed slab.
+every byte 4 times. Here the first send of a chunk packs every slice of the prefill rank's heads
+at the decode's heads per rank, in one launch, and each later send of the chunk only builds
+descriptors into the packed slab.
+
+Nothing is built while serving: :class:`PreparedPacks` holds, for every number of heads per rank
+a decode could hold, the partition of this rank's heads into slices and its packs (the whole
+partition in one launch, and each slice alone), built and, on GPU, compiled and captured into
+CUDA graphs for every slot at startup (``draft_kv_staging``). The slot a chunk packs into was
+allocated at startup too.
 
 Lifetime: a :class:`ChunkPacks` belongs to one transfer worker thread and one chunk. It holds a
 slot of the :class:`~draft_kv_pack.PackStagingBuffer` from the first pack until the last decode
 rank expected to read it has sent (:meth:`ChunkPacks.done`), or until the worker takes its next
 chunk (:meth:`ChunkPacks.release`; a failed send ends sglang's loop over the chunk's decode ranks
-early). A slot is one worker's share of the staging memory, so the memory stays bounded by
-``SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB`` whatever the number of decode ranks.
+early). A failed transfer from the slot quarantines it (:meth:`ChunkPacks.failed`).
 
-When the slices of a chunk do not fit in a slot together, one slice is packed at a time (a
-slice whose decode ranks interleave with another's is then packed again); when one slice alone
-does not fit, :meth:`ChunkPacks.slab` answers None and the caller packs per decode rank in
-windows of whole pages (the send path's ``pages_per_send``), as before this module.
+When a partition does not fit in a slot, one slice is packed at a time (a slice whose decode
+ranks interleave with another's is then packed again); when one slice alone does not fit, or no
+slot is free, :meth:`ChunkPacks.slab` answers None and the caller sends per decode rank without
+the shared slab.
 
 Torch and numpy only, no sglang import.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
 
-from sglang_dflash_pp.srt.disaggregation import draft_kv_pack_triton
-from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import token_rows
+from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVGeometry, KVComponent
 from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import (
     PackSlot,
     PackStagingBuffer,
-    pack_row_slices,
+    pack_row_slices_index_select,
     prepared_pack,
 )
+from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import dst_page_runs, token_rows
 
 
 @dataclass(frozen=True)
@@ -53,73 +57,128 @@ class HeadSlice:
     byte_offsets: tuple
     byte_widths: tuple
 
+    @classmethod
+    def of(
+        cls, src: DraftKVGeometry, heads: range, components: Sequence[KVComponent], src_entries
+    ) -> "HeadSlice":
+        """Heads ``heads`` of prefill rank ``src``'s token rows, for entries of ``components``."""
+        return cls(
+            heads=heads,
+            src_entries=tuple(src_entries),
+            byte_offsets=tuple((heads.start - src.head_start) * src.head_bytes(c) for c in components),
+            byte_widths=tuple(len(heads) * src.head_bytes(c) for c in components),
+        )
+
     def bytes_per_row(self) -> int:
         return sum(self.byte_widths)
 
 
-logger = logging.getLogger(__name__)
-_prepared: Dict[tuple, Callable] = {}
+def draft_components(num_draft_entries: int) -> List[KVComponent]:
+    """sglang's MHA pool registers K0..K(L-1) then V0..V(L-1)."""
+    half = num_draft_entries // 2
+    return [KVComponent.K] * half + [KVComponent.V] * (num_draft_entries - half)
+
+
+class PreparedPacks:
+    """Every pack a prefill rank can be asked for, prepared once (see the module docstring).
+
+    ``sources`` are the draft entries as ``uint8 [token slots, row bytes]`` views, ``src`` the
+    rank's geometry. The decode ranks a chunk goes to hold ``h`` heads per rank for some ``h``
+    smaller than this rank's ``h_P`` that divides it (nested sharding), so the partitions are
+    known before any decode registers."""
+
+    def __init__(self, sources: Sequence[torch.Tensor], src: DraftKVGeometry, out: torch.Tensor):
+        self.sources = list(sources)
+        self.num_pages = int(self.sources[0].shape[0]) // src.page_size if self.sources else 0
+        components = draft_components(len(self.sources))
+        entries = tuple(range(len(self.sources)))
+        h_p, first = src.heads_per_rank, src.head_start
+        self.partitions: Dict[HeadSlice, Tuple[HeadSlice, ...]] = {}
+        self._packs: Dict[Tuple[HeadSlice, ...], Callable] = {}
+        for h in (d for d in range(1, h_p) if h_p % d == 0):
+            partition = tuple(
+                HeadSlice.of(src, range(first + i, first + i + h), components, entries)
+                for i in range(0, h_p, h)
+            )
+            for s in partition:
+                self.partitions[s] = partition
+                self._packs[(s,)] = self._prepare((s,), out)
+            self._packs[partition] = self._prepare(partition, out)
+
+    def _prepare(self, slices: Tuple[HeadSlice, ...], out: Optional[torch.Tensor]) -> Callable:
+        """``pack(rows, buffer, at) -> slab offsets``: the fused kernel where it applies (``out``
+        gives its device and alignment), else torch's gather, which compiles nothing."""
+        flat = [self.sources[q] for s in slices for q in s.src_entries]
+        offsets = [o for s in slices for o in s.byte_offsets]
+        widths = [w for s in slices for w in s.byte_widths]
+        fused = None if out is None else prepared_pack(flat, offsets, widths, out)
+        if fused is not None:
+            return fused
+        return lambda rows, buffer, at=0: [  # noqa: E731
+            at + o
+            for o in pack_row_slices_index_select(flat, rows, offsets, widths, buffer[at:])
+        ]
+
+    def partition(self, s: HeadSlice) -> Tuple[HeadSlice, ...]:
+        """The slices packed together with ``s`` (its partition), or ``(s,)`` for a slice no
+        partition has (a layout this rank was not prepared for: it is packed by torch)."""
+        return self.partitions.get(s, (s,))
+
+    def pack(self, slices: Tuple[HeadSlice, ...]) -> Callable:
+        pack = self._packs.get(slices)
+        return pack if pack is not None else self._prepare(slices, None)
+
+    def warm(self, buffer: PackStagingBuffer) -> int:
+        """Make every prepared pack ready for every slot of ``buffer`` now: run each once on one
+        row (compiles and loads the fused kernel of each width) and, on CUDA, capture its graphs
+        (``draft_kv_pack_triton.GraphedPack``). Returns the graphs captured."""
+        from sglang_dflash_pp.srt.disaggregation.draft_kv_pack_triton import FusedPack, GraphedPack
+
+        slot = buffer.slots[0]
+        with slot.on_stream():
+            rows = slot.rows(np.zeros(1, dtype=np.int64))
+            for pack in self._packs.values():
+                pack(rows, slot.buffer, 0)
+        graphs = 0
+        for slot in buffer.slots if slot.stream is not None else ():
+            for pack in self._packs.values():
+                if isinstance(pack, FusedPack):
+                    graphed = slot.graphed[id(pack)] = GraphedPack(pack, slot)
+                    graphs += graphed.capture_all(slot.max_rows)
+        return graphs
+
+    def check_pages(self, pages: np.ndarray) -> None:
+        """Refuse page ids outside the pool before a kernel reads them (a fault there would be
+        sticky and kill the stage)."""
+        if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
+            raise IndexError(
+                f"draft KV page ids {int(pages.min())}..{int(pages.max())} outside the pool's "
+                f"{self.num_pages} pages"
+            )
 
 
 def pack_slices(
     slot: PackSlot,
     at: int,
-    slices: Sequence[HeadSlice],
-    sources: Callable[[], Sequence[torch.Tensor]],
+    slices: Tuple[HeadSlice, ...],
+    prepared: PreparedPacks,
     rows: np.ndarray,
-    *,
-    key: Optional[tuple] = None,
+    written: Sequence = (),
 ) -> List[List[int]]:
-    """Pack ``slices`` of ``rows`` into ``slot`` from byte ``at``, in one pack call (one fused
-    launch on GPU when the widths are uniform), and wait for it.
+    """Pack ``slices`` of ``rows`` into ``slot`` from byte ``at`` in one prepared pack (one
+    fused launch on GPU), after ``written`` (the chunk's KV-write events), and wait for it.
 
-    ``sources()`` gives the draft entries as ``uint8 [token slots, row bytes]``. ``key``, when
-    given, names those buffers (the send path: their registered pointers and item lengths); the
-    fused kernel's table is then built once per key and slice set, so a pack costs the row upload
-    and one launch. Returns, per slice, each entry's slab offset in the slot. This is the pack
-    the send path times on an H200 (``benchmark/gpu/pack_send_path.py``)."""
-    slices = tuple(slices)
-    pack = None if key is None else _prepared.get((key, slices))
-    if pack is None:
-        entries = sources()
-        flat = [entries[q] for s in slices for q in s.src_entries]
-        offsets = [o for s in slices for o in s.byte_offsets]
-        widths = [w for s in slices for w in s.byte_widths]
-        pack = prepared_pack(flat, offsets, widths, slot.buffer)
-        if pack is not None and key is not None:
-            if len(_prepared) >= 64:
-                _prepared.clear()
-            _prepared[(key, slices)] = pack
-        elif pack is None:
-            pack = lambda r, out: pack_row_slices(flat, r, offsets, widths, out)  # noqa: E731
-    graphed = _graphed(slot, pack, at)
-    with slot.on_stream():
-        if graphed is not None:
-            try:
-                slabs = graphed(rows)
-            except Exception:
-                logger.exception("DFlash draft KV: CUDA-graph pack failed; packing eagerly")
-                slot.graphed[(id(pack), at)] = None
-                slabs = pack(slot.rows(rows), slot.buffer[at:])
-        else:
-            slabs = pack(slot.rows(rows), slot.buffer[at:])
+    Returns, per slice, each entry's slab offset in the slot. This is the pack the send path
+    times on an H200 (``benchmark/gpu/pack_send_path.py``)."""
+    pack = prepared.pack(slices)
+    graphed = slot.graphed.get(id(pack))  # every fused pack of a CUDA slot has its graphs
+    with slot.on_stream(written):
+        slabs = graphed(rows, at) if graphed is not None else pack(slot.rows(rows), slot.buffer, at)
     out, i = [], 0
     for s in slices:
-        out.append([at + o for o in slabs[i : i + len(s.src_entries)]])
+        out.append(list(slabs[i : i + len(s.src_entries)]))
         i += len(s.src_entries)
     return out
-
-
-def _graphed(slot: PackSlot, pack, at: int):
-    """The slot's CUDA-graph replay of a fused ``pack`` at byte ``at`` (None: pack eagerly)."""
-    if slot.stream is None or not isinstance(pack, draft_kv_pack_triton.FusedPack):
-        return None
-    key = (id(pack), at)  # the GraphedPack holds ``pack``, so its id is not reused meanwhile
-    if key not in slot.graphed:
-        if len(slot.graphed) >= 16:
-            slot.graphed.clear()
-        slot.graphed[key] = draft_kv_pack_triton.GraphedPack(pack, slot.buffer[at:])
-    return slot.graphed[key]
 
 
 class ChunkPacks:
@@ -128,21 +187,21 @@ class ChunkPacks:
     def __init__(
         self,
         buffer: PackStagingBuffer,
+        prepared: PreparedPacks,
         readers: Dict[HeadSlice, Set[str]],
-        sources: Callable[[], Sequence[torch.Tensor]],
         page_size: int,
-        key: Optional[tuple] = None,
+        written: Sequence = (),
     ):
         self.buffer = buffer
-        self.key = key
+        self.prepared = prepared
         self.readers = {s: set(r) for s, r in readers.items() if r}
-        self._sources = sources
         self.page_size = page_size
+        self.written = tuple(written)
         self.slot: Optional[PackSlot] = None
-        self._acquired = None
         self.pages: Optional[np.ndarray] = None
         self.slabs: Dict[HeadSlice, List[int]] = {}
         self._top = 0
+        self._dst_runs = None
         self.slices_packed = 0  # for tests and benchmarks: head slices gathered in this chunk
         self.launches = 0
 
@@ -160,34 +219,41 @@ class ChunkPacks:
 
     def slab(self, s: HeadSlice, src_pages) -> Optional[List[int]]:
         """Each entry's slab offset in :attr:`slot` for slice ``s`` of ``src_pages`` (packing it,
-        and every other slice still to be read when they all fit, if needed); None when ``s``
-        alone does not fit in a slot."""
+        with the rest of its partition when that fits, if needed); None when ``s`` alone does
+        not fit in a slot or no slot is free."""
         pages = np.asarray(src_pages, dtype=np.int64).reshape(-1)
         if s in self.slabs and self._covers(pages):
             return self.slabs[s]
         # A covered (trimmed) request is served from the packed pages: size by those.
-        n = self.pages.size if self._covers(pages) else pages.size
+        covered = self._covers(pages)
+        n = self.pages.size if covered else pages.size
         if self._bytes(s, n) > self.buffer.slot_bytes:
             self.release()
             return None
-        if not self._covers(pages):
+        if not covered:
+            self.prepared.check_pages(pages)
             self._drop_slabs()
             self.pages = pages.copy()
-        wanted = [s] + [o for o in self.readers if o != s and o not in self.slabs]
-        if self._top + sum(self._bytes(o, n) for o in wanted) > self.buffer.slot_bytes:
-            wanted = [s]
+        partition = self.prepared.partition(s)
+        wanted = tuple(o for o in partition if o not in self.slabs)
+        if len(wanted) < len(partition) or (
+            self._top + sum(self._bytes(o, n) for o in wanted) > self.buffer.slot_bytes
+        ):
+            wanted = (s,)
         if self._top + self._bytes(s, n) > self.buffer.slot_bytes:
             self._drop_slabs()
         if self.slot is None:
-            self._acquired = self.buffer.acquire()
-            self.slot = self._acquired.__enter__()
+            self.slot = self.buffer.take()
+            if self.slot is None:
+                self.pages = None
+                return None
         packed = pack_slices(
             self.slot,
             self._top,
             wanted,
-            self._sources,
+            self.prepared,
             token_rows(self.pages, self.page_size),
-            key=self.key,
+            self.written,
         )
         for o, offsets in zip(wanted, packed):
             self.slabs[o] = offsets
@@ -195,6 +261,16 @@ class ChunkPacks:
         self.slices_packed += len(wanted)
         self.launches += 1
         return self.slabs[s]
+
+    def dst_runs(self, dst_pages: np.ndarray):
+        """``dst_page_runs`` of a decode rank's pages. The decode ranks of one decode instance
+        allocate the same pages, so the chunk's later ranks reuse the first one's runs."""
+        cached = self._dst_runs
+        if cached is not None and np.array_equal(cached[0], dst_pages):
+            return cached[1]
+        runs = dst_page_runs(dst_pages)
+        self._dst_runs = (dst_pages, runs)
+        return runs
 
     def done(self, s: HeadSlice, session: str) -> None:
         """``session`` has sent its copy of ``s``; give the slot back after the last reader."""
@@ -206,16 +282,20 @@ class ChunkPacks:
         if not self.readers:
             self.release()
 
+    def failed(self) -> None:
+        """A transfer from the slot failed: it may still be read, so it is quarantined."""
+        self.release(quarantine=True)
+
     def _drop_slabs(self) -> None:
         self.slabs.clear()
         self._top = 0
 
-    def release(self) -> None:
+    def release(self, *, quarantine: bool = False) -> None:
         self._drop_slabs()
         self.pages = None
-        if self._acquired is not None:
-            acquired, self._acquired, self.slot = self._acquired, None, None
-            acquired.__exit__(None, None, None)
+        if self.slot is not None:
+            slot, self.slot = self.slot, None
+            self.buffer.give_back(slot, quarantine=quarantine)
 
 
 def readers_by_slice(pairs: Iterable) -> Dict[HeadSlice, Set[str]]:

@@ -165,7 +165,8 @@ class DraftKVGeometry:
     # -- bytes -----------------------------------------------------------------------------
 
     def head_dim(self, component: KVComponent) -> int:
-        return self.shape.head_dim(component)
+        # Not through ``shape``: it validates a new DraftKVShape, and the send path asks per entry.
+        return self.k_head_dim if component is KVComponent.K else self.v_head_dim
 
     def head_bytes(self, component: KVComponent) -> int:
         return self.head_dim(component) * self.dtype_bytes

@@ -10,16 +10,21 @@ wants (sglang's ``copy_mla_rows_into_pack`` has the same contract over raw point
 runs the fused Triton kernel of ``draft_kv_pack_triton``; elsewhere (and for unaligned slices) one
 ``index_select`` per entry on the buffers' own device.
 
-:class:`PackStagingBuffer` is allocated and registered with the transfer engine once per prefill
-KV manager, on the draft pool's device, and split into one slot per transfer worker; a slot is
-held from the pack until the synchronous transfer that reads it returns, so concurrent workers
-never share bytes. Requests larger than a slot are sent in chunks of whole pages.
+:class:`PackStagingBuffer` is allocated once per prefill rank at startup, before the server
+serves (``draft_kv_staging``), on the draft pool's device, and split into one slot per transfer
+worker. Everything a pack touches on the host and the device -- the slot, its side stream, its
+pinned and device row-index buffers, its packs' CUDA graphs -- is made there, so a pack while
+serving allocates, compiles and captures nothing. A slot is held from the pack until the last synchronous transfer that reads it returns,
+so concurrent workers never share bytes; a slot whose transfer failed is kept out of use for
+:data:`QUARANTINE_S`, since Mooncake's ``batch_transfer_sync`` returns on its timeout with the
+batch possibly still reading it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import queue
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Sequence
 
@@ -27,6 +32,9 @@ import numpy as np
 import torch
 
 _SLOT_ALIGN = 256
+# How long a slot whose transfer failed stays out of use: well past Mooncake's per-batch
+# timeout (``MC_TRANSFER_TIMEOUT``, 30 s by default), after which no read of it is in flight.
+QUARANTINE_S = 120.0
 
 
 def as_byte_rows(t: torch.Tensor) -> torch.Tensor:
@@ -34,6 +42,17 @@ def as_byte_rows(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("draft KV buffers must be contiguous to be packed by byte offset")
     return t.view(torch.uint8).reshape(t.shape[0], -1)
+
+
+def pack_slot_bytes(row_bytes: int, page_size: int, chunk_tokens: int) -> int:
+    """Bytes of a slot that packs every head slice of one transfer chunk in one step.
+
+    ``row_bytes`` is one token row of every draft entry of this prefill rank (all its heads):
+    the distinct head slices of a chunk's decode ranks partition those heads, so together they
+    never exceed it. A chunk of ``chunk_tokens`` (``--chunked-prefill-size``) that does not
+    start on a page boundary spans one page more than it fills."""
+    pages = -(-int(chunk_tokens) // int(page_size)) + 1
+    return -(-pages * int(page_size) * int(row_bytes) // _SLOT_ALIGN) * _SLOT_ALIGN
 
 
 def pack_row_slices(
@@ -50,14 +69,13 @@ def pack_row_slices(
     offset in ``out``; slab ``e`` is ``len(rows) x w_e`` bytes, row-major.
 
     On CUDA, uniform 8-byte-aligned slices (every bf16/fp16 draft) go through one fused Triton
-    launch (``draft_kv_pack_triton``); otherwise one ``index_select`` per entry.
+    launch (``draft_kv_pack_triton``; its table built here, for one-off callers; the send path
+    prepares its packs at startup with :func:`prepared_pack`); otherwise one ``index_select``
+    per entry.
     """
-    from sglang_dflash_pp.srt.disaggregation import draft_kv_pack_triton
-
-    if draft_kv_pack_triton.eligible(sources, byte_offsets, byte_widths, out):
-        return draft_kv_pack_triton.pack_row_slices_fused(
-            sources, rows, byte_offsets, byte_widths, out
-        )
+    pack = prepared_pack(sources, byte_offsets, byte_widths, out)
+    if pack is not None:
+        return pack(rows, out)
     return pack_row_slices_index_select(sources, rows, byte_offsets, byte_widths, out)
 
 
@@ -69,8 +87,8 @@ def prepared_pack(
 ) -> Optional[Callable[[torch.Tensor, torch.Tensor], List[int]]]:
     """:func:`pack_row_slices` with its sources, offsets and widths fixed, as ``pack(rows, out)``:
     the fused kernel's checks and table done once. None where the fused kernel does not apply
-    (call :func:`pack_row_slices` then). ``out`` is any buffer the pack will write into (for its
-    device and alignment); the send path keeps one per slot."""
+    (call :func:`pack_row_slices_index_select` then). ``out`` is any buffer the pack will write
+    into (for its device and alignment)."""
     from sglang_dflash_pp.srt.disaggregation import draft_kv_pack_triton
 
     if not draft_kv_pack_triton.eligible(sources, byte_offsets, byte_widths, out):
@@ -109,67 +127,95 @@ class PackSlot:
     buffer: torch.Tensor  # flat uint8 view of this slot
     ptr: int
     stream: Optional["torch.cuda.Stream"]
-    _host_rows: Optional[torch.Tensor] = None  # pinned staging for the row indices (CUDA)
-    _device_rows: Optional[torch.Tensor] = None
-    graphed: dict = field(default_factory=dict)  # (pack, byte offset) -> GraphedPack or None
+    # CUDA: pinned host and device buffers of ``[n, out_word, rows...]`` for the packs' uploads
+    host_rows: Optional[torch.Tensor] = None
+    device_rows: Optional[torch.Tensor] = None
+    host_np: Optional[np.ndarray] = None  # numpy view of ``host_rows``
+    graphed: dict = field(default_factory=dict)  # id(prepared pack) -> GraphedPack (startup)
 
     @contextlib.contextmanager
-    def on_stream(self) -> Iterator[None]:
-        """Pack on this slot's side stream and wait for it: the transfer reads the slot next."""
+    def on_stream(self, written: Sequence = ()) -> Iterator[None]:
+        """Pack on this slot's side stream and wait for it: the transfer reads the slot next.
+
+        ``written`` are the events the chunk's KV write recorded on the forward stream
+        (``kv_write_fence``): the side stream waits on them before it reads a row of the pool."""
         if self.stream is None:
             yield
             return
         with torch.cuda.stream(self.stream):
+            for event in written:
+                self.stream.wait_event(event)
             yield
         self.stream.synchronize()
 
-    def rows(self, token_rows: np.ndarray) -> torch.Tensor:
-        """``token_rows`` (int64) on the slot's device; call inside :meth:`on_stream`.
+    @property
+    def max_rows(self) -> int:
+        return -1 if self.host_rows is None else int(self.host_rows.numel()) - 2
 
-        On CUDA through a pinned host buffer and an asynchronous copy on the slot's stream, kept
-        between packs: a pageable ``.to(device)`` blocks the host for a staged copy, which costs
-        as much as the pack itself for a few thousand tokens. The slot is held until the pack
-        is synchronised, so the next pack never overwrites rows still being read."""
+    def rows(self, token_rows: np.ndarray) -> torch.Tensor:
+        """``token_rows`` (int64) on the slot's device, for an eager pack; call inside
+        :meth:`on_stream`.
+
+        On CUDA through the slot's pinned host buffer and an asynchronous copy on its stream: a
+        pageable ``.to(device)`` blocks the host for a staged copy, which costs as much as the
+        pack itself for a few thousand tokens. The slot is held until the pack is synchronised,
+        so the next pack never overwrites rows still being read."""
         host = torch.from_numpy(np.ascontiguousarray(token_rows, dtype=np.int64))
         if self.stream is None:
             return host.to(self.buffer.device)
         n = host.numel()
-        if self._host_rows is None or self._host_rows.numel() < n:
-            size = max(n, 2 * (0 if self._host_rows is None else self._host_rows.numel()), 4096)
-            self._host_rows = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            self._device_rows = torch.empty(size, dtype=torch.int64, device=self.buffer.device)
-        self._host_rows[:n].copy_(host)
-        out = self._device_rows[:n]
-        out.copy_(self._host_rows[:n], non_blocking=True)
+        if n > self.max_rows:
+            raise ValueError(f"a pack of {n} rows exceeds the slot's {self.max_rows} row indices")
+        self.host_rows[2 : 2 + n].copy_(host)
+        out = self.device_rows[2 : 2 + n]
+        out.copy_(self.host_rows[2 : 2 + n], non_blocking=True)
         return out
 
 
+def _allocate_default(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
 class PackStagingBuffer:
-    """One engine-registered buffer, split into equal slots handed out one caller at a time."""
+    """One buffer of equal slots, each taken by one transfer worker at a time.
+
+    ``allocate(nbytes, device)`` returns the flat uint8 tensor (the send path allocates from
+    Mooncake's custom memory pool when one is configured); ``max_rows`` is the most token rows
+    one pack gathers (sized for the narrowest head slice), for the row-index buffers."""
 
     def __init__(
         self,
-        total_bytes: int,
+        slot_bytes: int,
         num_slots: int,
         device: torch.device,
-        register: Callable[[int, int], None],
+        *,
+        max_rows: int,
+        allocate: Callable[[int, torch.device], torch.Tensor] = _allocate_default,
     ):
         if num_slots <= 0:
             raise ValueError("need at least one pack slot")
         # Slots start on 256-byte boundaries whatever the slot count: the fused pack writes
-        # whole 8-byte words, and one prepared pack serves every slot.
-        slot_bytes = total_bytes // num_slots // _SLOT_ALIGN * _SLOT_ALIGN
+        # whole 8-byte words, and one prepared fused pack serves every slot.
+        slot_bytes = int(slot_bytes) // _SLOT_ALIGN * _SLOT_ALIGN
         if slot_bytes <= 0:
-            raise ValueError(f"{total_bytes} bytes cannot be split into {num_slots} slots")
+            raise ValueError(f"a pack slot of {slot_bytes} bytes cannot hold a page")
         self.device = torch.device(device)
         self.slot_bytes = slot_bytes
-        self.tensor = torch.empty(slot_bytes * num_slots, dtype=torch.uint8, device=self.device)
-        register(self.tensor.data_ptr(), self.tensor.numel())
-        self._free: "queue.Queue[PackSlot]" = queue.Queue()
+        self.tensor = allocate(slot_bytes * num_slots, self.device)
+        cuda = self.device.type == "cuda"
+        self._lock = threading.Lock()
+        self._free: List[PackSlot] = []
+        self._quarantined: List[tuple] = []  # (free again at, slot)
+        self.slots: List[PackSlot] = []
         for i in range(num_slots):
             view = self.tensor[i * slot_bytes : (i + 1) * slot_bytes]
-            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-            self._free.put(PackSlot(view, view.data_ptr(), stream))
+            slot = PackSlot(view, view.data_ptr(), torch.cuda.Stream(self.device) if cuda else None)
+            if cuda:
+                slot.host_rows = torch.zeros(2 + max_rows, dtype=torch.int64, pin_memory=True)
+                slot.device_rows = torch.zeros(2 + max_rows, dtype=torch.int64, device=self.device)
+                slot.host_np = slot.host_rows.numpy()
+            self.slots.append(slot)
+            self._free.append(slot)
 
     @property
     def ptr(self) -> int:
@@ -179,10 +225,27 @@ class PackStagingBuffer:
     def nbytes(self) -> int:
         return self.tensor.numel()
 
-    @contextlib.contextmanager
-    def acquire(self) -> Iterator[PackSlot]:
-        slot = self._free.get()
-        try:
-            yield slot
-        finally:
-            self._free.put(slot)
+    def free_slots(self) -> int:
+        with self._lock:
+            self._release_expired()
+            return len(self._free)
+
+    def take(self) -> Optional[PackSlot]:
+        """A free slot, or None (every slot is held or quarantined: the caller sends without one)."""
+        with self._lock:
+            self._release_expired()
+            return self._free.pop() if self._free else None
+
+    def give_back(self, slot: PackSlot, *, quarantine: bool = False) -> None:
+        with self._lock:
+            if quarantine:
+                self._quarantined.append((time.monotonic() + QUARANTINE_S, slot))
+            else:
+                self._free.append(slot)
+
+    def _release_expired(self) -> None:
+        now = time.monotonic()
+        back = [s for t, s in self._quarantined if t <= now]
+        if back:
+            self._quarantined = [(t, s) for t, s in self._quarantined if t > now]
+            self._free.extend(back)

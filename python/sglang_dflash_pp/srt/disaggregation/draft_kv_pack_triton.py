@@ -15,7 +15,7 @@ Importable without Triton (``available()`` says whether it can run); no sglang i
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Sequence
 
 import torch
 
@@ -47,22 +47,27 @@ def _aligned(sources, byte_offsets, width: int, out: torch.Tensor) -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    # The row count and the output offset change with every chunk: left unspecialised, so one
+    # compiled kernel per slice width serves every pack. ARGS_ON_DEVICE: both (and the rows) are
+    # read from ``args`` on the device, so one captured graph serves every chunk of a bucket.
+    @triton.jit(do_not_specialize=["out_word", "n_rows"])
     def _pack_rows_kernel(
         meta,  # int64 [entries, 2]: source address of the slice start (bytes), row stride (words)
         rows,  # int64 [n]
-        out,  # int64 words
+        out,  # int64 words: the slot's base
+        out_word,  # where this pack's slabs start in ``out``, in words
         n_rows,
-        n_ptr,  # int64 [1]: the row count, read on the device (CUDA-graph replays)
+        args,  # int64 [2 + n]: n_rows, out_word, rows (ARGS_ON_DEVICE)
         WIDTH: tl.constexpr,  # words per row slice
         BLOCK_COLS: tl.constexpr,  # WIDTH rounded up to a power of two
         BLOCK_ROWS: tl.constexpr,
-        N_FROM_PTR: tl.constexpr,
+        ARGS_ON_DEVICE: tl.constexpr,
     ):
         entry = tl.program_id(0)
         block = tl.program_id(1)
-        if N_FROM_PTR:
-            n_rows = tl.load(n_ptr)
+        if ARGS_ON_DEVICE:
+            n_rows = tl.load(args)
+            out_word = tl.load(args + 1)
         src = tl.load(meta + entry * 2).to(out.dtype)
         stride = tl.load(meta + entry * 2 + 1)
         r = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -71,17 +76,20 @@ if triton is not None:
         mask = row_ok[:, None] & (c < WIDTH)[None, :]
         src_rows = tl.load(rows + r, mask=row_ok, other=0)
         values = tl.load(src + src_rows[:, None] * stride + c[None, :], mask=mask)
-        dst = out + entry.to(tl.int64) * n_rows * WIDTH + r[:, None] * WIDTH + c[None, :]
-        tl.store(dst, values, mask=mask)
+        slab = out + out_word + entry.to(tl.int64) * n_rows * WIDTH
+        tl.store(slab + r[:, None] * WIDTH + c[None, :], values, mask=mask)
 
 
 class FusedPack:
     """The fused launch for fixed sources, offsets and widths: the per-entry table (source address
     of each slice start, row stride in words) is built and copied to the device once, so a pack
-    costs the row upload and one launch. Build only when :func:`eligible` holds for the sources.
+    costs the row upload and one launch. Build only when :func:`eligible` holds.
 
-    The table holds addresses, not tensors: the caller keys it by the pool's buffers and must not
-    use it after they are freed (the send path keys it by the registered entry pointers)."""
+    The table holds addresses, not tensors: whoever builds it must not use it after the pool's
+    buffers are freed (the send path builds its packs at startup, for the pool it registered)."""
+
+    BLOCK_WORDS = 4096  # 8-byte words one program copies (whole row slices of one entry)
+    NUM_WARPS = 4
 
     def __init__(self, sources: Sequence[torch.Tensor], byte_offsets, byte_widths, device):
         self.entries = len(sources)
@@ -92,119 +100,101 @@ class FusedPack:
         ).to(device)
         self.words = self.width // _WORD
         self.block_cols = triton.next_power_of_2(self.words)
+        self.block_rows = max(1, self.BLOCK_WORDS // self.block_cols)
 
-    def __call__(
-        self, rows: torch.Tensor, out: torch.Tensor, *, block_words: int = 4096, num_warps: int = 4
-    ) -> List[int]:
-        """One program copies ``block_words`` 8-byte words (whole row slices) of one entry."""
+    def offsets(self, n: int, at: int) -> List[int]:
+        return [at + e * n * self.width for e in range(self.entries)]
+
+    def __call__(self, rows: torch.Tensor, out: torch.Tensor, at: int = 0) -> List[int]:
+        """Pack into ``out`` from byte ``at`` (a multiple of 8), one eager launch; returns each
+        slab's offset in ``out``. ``out``'s base is what the kernel is specialised on: pass a
+        slot's whole buffer and the offset, not a view at the offset."""
         n = int(rows.numel())
-        need = n * self.width * self.entries
-        if need > out.numel():
-            raise ValueError(f"pack needs {need} bytes, staging slot holds {out.numel()}")
-        offsets = [e * n * self.width for e in range(self.entries)]
-        if n == 0:
-            return offsets
-        self.launch(rows, out[:need], n, block_words=block_words, num_warps=num_warps)
-        return offsets
+        self._check(n, at, out)
+        if n:
+            self.launch(rows, out, n, out_word=at // _WORD)
+        return self.offsets(n, at)
 
-    def launch(self, rows, out, n, *, n_ptr=None, block_words: int = 4096, num_warps: int = 4):
-        """One launch over ``n`` rows (or, with ``n_ptr``, grid for ``n`` rows and the count read
-        from ``n_ptr`` on the device)."""
-        block_rows = max(1, block_words // self.block_cols)
-        _pack_rows_kernel[(self.entries, triton.cdiv(n, block_rows))](
+    def _check(self, n: int, at: int, out: torch.Tensor) -> None:
+        need = n * self.width * self.entries
+        if at % _WORD or at + need > out.numel():
+            raise ValueError(f"pack needs {need} bytes at {at}, staging slot holds {out.numel()}")
+
+    def launch(self, rows, out, n: int, *, out_word: int = 0, args=None) -> None:
+        """One launch with a grid for ``n`` rows; with ``args`` (``[n, out_word, rows...]`` on the
+        device) the kernel reads the row count, offset and rows from there instead."""
+        _pack_rows_kernel[(self.entries, triton.cdiv(n, self.block_rows))](
             self.meta,
-            rows,
+            rows if args is None else args[2:],
             out[: out.numel() // _WORD * _WORD].view(torch.int64),
+            out_word,
             n,
-            self.meta if n_ptr is None else n_ptr,
+            self.meta if args is None else args,
             WIDTH=self.words,
             BLOCK_COLS=self.block_cols,
-            BLOCK_ROWS=block_rows,
-            N_FROM_PTR=n_ptr is not None,
-            num_warps=num_warps,
+            BLOCK_ROWS=self.block_rows,
+            ARGS_ON_DEVICE=args is not None,
+            num_warps=self.NUM_WARPS,
         )
 
 
 class GraphedPack:
-    """A :class:`FusedPack` into one fixed output, replayed from CUDA graphs.
+    """A :class:`FusedPack` into one slot, replayed from CUDA graphs captured at startup.
 
-    Why: on the send path a pack is waited for before the transfer, so its host cost counts in
-    full. An eager Triton launch plus the row upload costs the host several times what the kernel
-    takes for a few thousand tokens; a graph replay costs one launch. A graph holds the upload of
-    the row indices (from a pinned buffer the host fills) and the launch, for up to ``bucket``
-    rows; the row count travels with the rows and the kernel reads it on the device, so a graph
-    per power-of-two bucket serves every request length. Captured on first use of a bucket, on
-    the caller's (non-default) stream, in thread-local capture mode so other threads' CUDA work
-    is not affected; the first launch compiles the kernel before capturing.
-    """
+    Why graphs: the transfer worker waits for the pack before it sends, so the pack's host cost
+    counts in full, and on an H200 an eager Triton launch costs the host about 0.1 ms, more than
+    the kernel takes for a whole 8192-token chunk (``benchmark/gpu/results/pack_send_path.json``,
+    eager vs graph). A graph holds the upload of ``[n, out_word, rows...]`` from the slot's pinned
+    buffer (which the host fills) and the launch, for up to ``bucket`` rows; the kernel reads the
+    count, the offset and the rows on the device, so one graph per power-of-two bucket serves every
+    chunk length and slab offset. Every bucket is captured by :meth:`capture_all` at startup, on
+    the slot's stream, in thread-local capture mode; none while serving (a capture held open on
+    any thread makes the allocator skip its free-and-retry for the device)."""
 
     MIN_BUCKET = 1024
 
-    def __init__(self, pack: FusedPack, out: torch.Tensor):
+    def __init__(self, pack: FusedPack, slot):
         self.pack = pack
-        self.out = out
-        self._graphs: Dict[int, tuple] = {}
+        self.slot = slot
+        self.graphs = {}
 
-    def capacity_rows(self) -> int:
-        return self.out.numel() // (self.pack.width * self.pack.entries)
+    def buckets(self, max_rows: int) -> List[int]:
+        out, b = [], min(self.MIN_BUCKET, triton.next_power_of_2(max(1, max_rows)))
+        while True:
+            out.append(b)
+            if b >= max_rows:
+                return out
+            b *= 2
 
-    def __call__(self, rows) -> List[int]:
-        """Pack host ``rows`` (numpy int64) into :attr:`out` on the current stream; the caller
-        waits for the stream before reading the output or calling again."""
+    def capture_all(self, max_rows: int) -> int:
+        slot = self.slot
+        host, dev = slot.host_rows, slot.device_rows
+        with torch.cuda.stream(slot.stream):
+            host[:2].zero_()  # n = 0: the compiling launch writes nothing
+            dev[:2].copy_(host[:2], non_blocking=True)
+            self.pack.launch(None, slot.buffer, 1, args=dev)
+            slot.stream.synchronize()
+            for bucket in self.buckets(max_rows):
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    dev[: 2 + bucket].copy_(host[: 2 + bucket], non_blocking=True)
+                    self.pack.launch(None, slot.buffer, bucket, args=dev)
+                finally:
+                    graph.capture_end()
+                self.graphs[bucket] = graph
+        return len(self.graphs)
+
+    def __call__(self, rows, at: int) -> List[int]:
+        """Pack host ``rows`` (numpy int64) into the slot from byte ``at``, on the current
+        stream (the slot's); the caller waits for the stream before the slot is read or reused."""
         n = int(rows.size)
-        if n > self.capacity_rows():
-            raise ValueError(
-                f"pack needs {n * self.pack.width * self.pack.entries} bytes, "
-                f"staging slot holds {self.out.numel()}"
-            )
-        bucket = max(self.MIN_BUCKET, triton.next_power_of_2(max(n, 1)))
-        graph, host, _, _ = self._graphs.get(bucket) or self._capture(bucket)
-        host[0] = n
-        host[1 : 1 + n] = rows
-        graph.replay()
-        return [e * n * self.pack.width for e in range(self.pack.entries)]
-
-    def _capture(self, bucket: int) -> tuple:
-        stream = torch.cuda.current_stream(self.out.device)
-        host = torch.zeros(1 + bucket, dtype=torch.int64, pin_memory=True)
-        dev = torch.zeros(1 + bucket, dtype=torch.int64, device=self.out.device)
-        self.pack.launch(dev[1:], self.out, bucket, n_ptr=dev)  # compiles; n = 0 writes nothing
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            dev.copy_(host, non_blocking=True)
-            self.pack.launch(dev[1:], self.out, bucket, n_ptr=dev)
-        finally:
-            graph.capture_end()
-        entry = self._graphs[bucket] = (graph, host.numpy(), host, dev)
-        return entry
-
-
-_fused_packs: Dict[Tuple, FusedPack] = {}
-
-
-def pack_row_slices_fused(
-    sources: Sequence[torch.Tensor],
-    rows: torch.Tensor,
-    byte_offsets: Sequence[int],
-    byte_widths: Sequence[int],
-    out: torch.Tensor,
-    *,
-    block_words: int = 4096,
-    num_warps: int = 4,
-) -> List[int]:
-    """Fused version of ``pack_row_slices``; call only when :func:`eligible` is true. The table
-    is cached by the slices' addresses (a pool's buffers and head offsets are fixed for the
-    server's lifetime)."""
-    key = (
-        out.device,
-        int(byte_widths[0]),
-        tuple((s.data_ptr() + int(o), s.stride(0)) for s, o in zip(sources, byte_offsets)),
-    )
-    pack = _fused_packs.get(key)
-    if pack is None:
-        if len(_fused_packs) >= 256:
-            _fused_packs.clear()
-        pack = _fused_packs[key] = FusedPack(sources, byte_offsets, byte_widths, out.device)
-    return pack(rows, out, block_words=block_words, num_warps=num_warps)
+        self.pack._check(n, at, self.slot.buffer)
+        bucket = next((b for b in self.graphs if b >= n), None)
+        if bucket is None:
+            raise ValueError(f"a pack of {n} rows exceeds the captured buckets {list(self.graphs)}")
+        host = self.slot.host_np
+        host[0], host[1] = n, at // _WORD
+        host[2 : 2 + n] = rows
+        self.graphs[bucket].replay()
+        return self.pack.offsets(n, at)

@@ -218,9 +218,9 @@ def dst_page_runs(dst_pages) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     d = _pages(dst_pages)
     if d.size == 0:
         return d, d, d
-    starts = np.flatnonzero(np.r_[True, np.diff(d) != 1])
-    lengths = np.diff(np.r_[starts, d.size])
-    return starts.astype(np.int64), d[starts], lengths
+    ends = np.flatnonzero(d[1:] - d[:-1] != 1) + 1
+    starts = np.concatenate((np.zeros(1, np.int64), ends))
+    return starts, d[starts], np.concatenate((ends, [d.size])) - starts
 
 
 def _require_writer(plan: DraftKVPairPlan) -> None:
@@ -257,8 +257,19 @@ def packed_descriptors(
     if plan.regime is not Regime.PACK_SOURCE:
         raise ValueError(f"packing serves decode ranks with fewer heads: {plan.describe()}")
     item = plan.dst.page_bytes(c)  # == page_size * width(c): the decode rank's whole row
-    pos, d0, n = dst_page_runs(dst_pages)
-    return Descriptors(pack_base + pos * item, dst_base + d0 * item, n * item)
+    return packed_run_descriptors([item], [pack_base], [dst_base], dst_page_runs(dst_pages))
+
+
+def packed_run_descriptors(item_bytes, pack_bases, dst_bases, runs) -> Descriptors:
+    """:func:`packed_descriptors` of several entries at once, entry after entry: entry ``e``'s
+    slab at ``pack_bases[e]`` holds the pages of ``runs`` (:func:`dst_page_runs`) in order, each
+    ``item_bytes[e]`` long, for its decode entry at ``dst_bases[e]``. One broadcast instead of a
+    pass per entry: the send path builds a chunk's descriptors for every decode rank with it."""
+    pos, d0, n = runs
+    item = np.asarray(item_bytes, dtype=np.int64)[:, None]
+    src = np.asarray(pack_bases, dtype=np.int64)[:, None] + pos[None, :] * item
+    dst = np.asarray(dst_bases, dtype=np.int64)[:, None] + d0[None, :] * item
+    return Descriptors(src.reshape(-1), dst.reshape(-1), (n[None, :] * item).reshape(-1))
 
 
 def per_token_descriptors(

@@ -3,7 +3,8 @@ prefill setup (``prefill_draft_kv``, and ``preflight``), read by the send path
 (``mooncake_draft_kv``), keyed by the entries' registered pointers.
 
 ``KVArgs`` carries the entries' pointers and item lengths but not the draft's geometry (total KV
-heads, head dims, element size) nor the pool itself, which packing head slices reads.
+heads, head dims, element size) nor the pool itself, which packing head slices reads, nor the
+staging the packs write into (allocated, compiled and registered at startup).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class DraftKVSource:
     shape: Optional[DraftKVShape]
     shape_unknown_reason: Optional[str]
     pool_ref: Any  # weakref to the pool (the registry must not keep a torn-down pool alive)
+    staging: Any = None  # draft_kv_staging.DraftKVStaging: built at startup where this rank packs
 
     def entry_rows(self, q: int):
         """Draft entry ``q``'s buffer as ``uint8 [token slots, row bytes]``."""

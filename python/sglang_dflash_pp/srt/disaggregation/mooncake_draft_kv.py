@@ -5,15 +5,21 @@ A hybrid-MLA target (Kimi-K3) always sends its KV, with the draft KV appended, t
 prefill's item length. When prefill and decode hold different numbers of draft heads per rank
 (prefill TP4 = 2 of 8 heads per rank, decode TP32 = 1) this writes the wrong bytes to the wrong
 decode pages, and no check rejects the layout; a plain-MHA target at another attention TP goes
-through ``send_kvcache_slice``, which slices the draft with the target's head count. Four hooks fix
-it, and a fifth lets the packed head slices be shared:
+through ``send_kvcache_slice``, which slices the draft with the target's head count. These hooks
+fix it:
 
 * AROUND ``MooncakeKVManager._validate_peer_state_layout``, which ``_publish_peer_registration``
   calls once per decode registration. After the stock checks pass, it decides the peer's draft
-  KV verdict (``draft_kv_peer``). A refusal is returned as the stock layout mismatch, so sglang
-  caches it in ``state_layout_rejections`` and fails every request to that decode with the
-  message before a byte is written, until the decode registers again. An accepted verdict is
-  attached to the registration record, so a re-registration replaces both together.
+  KV verdict (``draft_kv_peer``) and what sending it needs (:class:`DraftSend`, computed once).
+  A refusal is returned as the stock layout mismatch, so sglang caches it in
+  ``state_layout_rejections`` and fails every request to that decode with the message before a
+  byte is written, until the decode registers again. A failure of the check itself (a bug here,
+  not the decode's layout) is never cached as a refusal: the verdict is left pending and decided
+  again at the peer's next send, failing only that request if it fails again.
+* AROUND ``MooncakeKVManager.update_status``: when a room's decode ranks have all bootstrapped
+  (``WaitingForInput``) and one of them is refused, the room fails there, at bootstrap. Under PP
+  only the last stage holds the draft and can refuse; the bootstrap poll is reduced over the
+  stages, so no stage prefills a request the last stage would fail.
 * AROUND ``MooncakeKVManager.send_kvcache``, the transfer worker's path for MLA and hybrid-MLA
   targets and for equal attention TP. For a stock verdict the original runs untouched. Otherwise
   the original runs on a view of the manager whose KV args end before the draft entries, so the
@@ -33,25 +39,26 @@ it, and a fifth lets the packed head slices be shared:
   elected to write heads no lower rank holds is let through (verdict DRAFT_ONLY) and sends
   only its draft entries; the target stays with the first rank.
 * AROUND ``MooncakeKVManager.transfer_worker``: the worker runs on a view of its queue whose
-  ``get`` records the chunk it hands out (on the worker thread) and ends the previous chunk's
-  packs. sglang sends a chunk to each of its decode ranks in turn through ``send_kvcache``, which
-  is not told the chunk; knowing it, the first send packs every distinct head slice the chunk's
-  decode ranks need (``transfer_infos[room]`` and their verdicts) and the others send from the
-  same slab (``draft_kv_chunk_packs``). The chunks, their order and every call sglang makes stay
-  as they are.
+  ``get`` records the chunk it hands out (on the worker thread), with the chunk's KV-write event
+  (``kv_write_fence``), and ends the previous chunk's packs. sglang sends a chunk to each of its
+  decode ranks in turn through ``send_kvcache``, which is not told the chunk; knowing it, the
+  first send packs every distinct head slice the chunk's decode ranks need and the others send
+  from the same slab (``draft_kv_chunk_packs``). The chunks, their order and every call sglang
+  makes stay as they are.
+
+**A local failure fails one request, never the decode.** sglang takes a non-zero return of a
+send for a dead decode: it blacklists the session and fails every request to that decode until
+its probe succeeds. So only what the transfer engine returns is returned; an exception of this
+rank's own work (a pack, a bad page id, a descriptor) concludes the chunk's room as failed, with
+the reason (the decode is told), and returns 0, and the room's remaining sends are skipped. A
+transfer that failed from a pack slot quarantines the slot (``draft_kv_pack.QUARANTINE_S``).
 
 Inert unless this prefill rank registered DFLASH draft entries (``prefill_draft_kv``).
 
 Environment (read at startup on a DFLASH Mooncake prefill):
 
-* ``SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB`` (default 256): staging memory on the draft pool's
-  device for packing head slices, allocated and registered with Mooncake on the first decode
-  that needs it, split into one slot per transfer queue (``SGLANG_DISAGGREGATION_QUEUE_SIZE``,
-  default 4). A slot holds a chunk's packed slices from the first send to the last decode rank
-  that reads them. The default's 64 MB slot holds both head slices of an 8192-token chunk
-  (Kimi-K3's ``--chunked-prefill-size``) of a 6-layer, 8-head, 128-dim bf16 draft at TP4 ->
-  TP32 (48 MiB); a chunk whose slices do not fit together is packed one slice at a time, and one
-  whose single slice does not fit is packed per decode rank in windows of whole pages.
+* ``SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB``: see ``draft_kv_staging`` (the pack staging is
+  sized from the chunk by default).
 * ``SGLANG_DFLASH_DRAFT_KV_MAX_BATCH_DESCRIPTORS`` (default 1024): most descriptors per
   ``batch_transfer_sync`` call for the draft entries. Mooncake's TCP transport refuses batches
   of a few thousand; packed sends stay far below it, per-token sends are split.
@@ -62,6 +69,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -85,25 +93,31 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import (
 from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
     Descriptors,
     Regime,
+    dst_page_runs,
     entry_descriptors,
     pack_source_rows,
-    packed_descriptors,
+    packed_run_descriptors,
     pages_per_send,
+    per_token_descriptors,
 )
+from sglang_dflash_pp.srt.disaggregation.draft_kv_source import draft_kv_source_for
+from sglang_dflash_pp.srt.disaggregation.draft_kv_staging import (
+    PACK_BUFFER_MB_ENV,
+    pack_buffer_mb_override,
+)
+from sglang_dflash_pp.srt.disaggregation.kv_write_fence import cuda_event_of
 from sglang_dflash_pp.srt.disaggregation.mha_layer_ids import (
     decode_mha_layer_ids,
     published_num_layers,
 )
-from sglang_dflash_pp.srt.disaggregation.draft_kv_source import draft_kv_source_for
 
 logger = logging.getLogger(__name__)
 
-PACK_BUFFER_MB_ENV = "SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB"
 MAX_BATCH_DESCRIPTORS_ENV = "SGLANG_DFLASH_DRAFT_KV_MAX_BATCH_DESCRIPTORS"
-_PLAN_ATTR = "dflash_draft_kv_plan"  # on the decode's KVArgsRegisterInfo
-_PACK_ATTR = "_dflash_draft_kv_pack_buffer"  # on the MooncakeKVManager
-_pack_lock = threading.Lock()
-_worker = threading.local()  # per transfer worker thread: manager, chunk, packs
+_PLAN_ATTR = "dflash_draft_kv_plan"  # on the decode's KVArgsRegisterInfo: the verdict
+_SEND_ATTR = "_dflash_draft_kv_send"  # ... and what sending it needs (DraftSend)
+_PENDING_ATTR = "_dflash_draft_kv_pending"  # ... or why the verdict could not be decided yet
+_worker = threading.local()  # per transfer worker thread: manager, chunk, its events, packs
 
 
 def _env_int(name: str, default: int, minimum: int) -> int:
@@ -119,16 +133,12 @@ def _env_int(name: str, default: int, minimum: int) -> int:
     return value
 
 
-def pack_buffer_bytes() -> int:
-    return _env_int(PACK_BUFFER_MB_ENV, 256, 1) << 20
-
-
 def max_batch_descriptors() -> int:
     return _env_int(MAX_BATCH_DESCRIPTORS_ENV, 1024, 1)
 
 
 def check_environment() -> None:
-    pack_buffer_bytes()
+    pack_buffer_mb_override()
     max_batch_descriptors()
 
 
@@ -164,7 +174,7 @@ def draft_kv_verdict(self, registration) -> Optional[DraftKVPeerPlan]:
         return None  # no DFLASH draft entries on this rank
     if getattr(registration, "requires_dcp_relayout", False):
         return None  # send_kvcache_dcp slices the draft itself
-    target_path = _target_path(self, registration)
+    path = _target_path(self, registration)
     try:
         pairs = _stock_entry_pairs(self, registration)
     except (RuntimeError, ValueError) as e:
@@ -193,16 +203,14 @@ def draft_kv_verdict(self, registration) -> Optional[DraftKVPeerPlan]:
     )
     # Through our own hook, which answers stock while no verdict is attached to this record.
     stock_skips_kv, _ = self._get_dsa_cache_transfer_skip_flags(registration)
-    plan = peer_verdict(
-        prefill, decode, pairs, stock_skips_kv=stock_skips_kv, target_path=target_path
-    )
+    plan = peer_verdict(prefill, decode, pairs, stock_skips_kv=stock_skips_kv, target_path=path)
     if plan.action.sends_draft and plan.pair.regime is Regime.PACK_SOURCE:
+        staging = source.staging
         need = sum(plan.pair.bytes_per_page(e.component) for e in plan.entries)
-        buffer = _pack_buffer(self, source)
-        if buffer.slot_bytes < need:
+        if staging is not None and staging.buffer.slot_bytes < need:
             raise DraftKVLayoutError(
-                f"a draft KV pack slot holds {buffer.slot_bytes} B, less than one page of this "
-                f"decode's draft heads ({need} B); raise {PACK_BUFFER_MB_ENV}."
+                f"a draft KV pack slot holds {staging.buffer.slot_bytes} B, less than one page "
+                f"of this decode's draft heads ({need} B); raise or unset {PACK_BUFFER_MB_ENV}."
             )
     return plan
 
@@ -221,35 +229,74 @@ def _target_path(self, registration) -> TargetPath:
     )
 
 
-def _pack_buffer(self, source):
-    from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import PackStagingBuffer
+@dataclass(frozen=True)
+class DraftSend:
+    """What sending one decode registration its draft entries needs, computed at registration
+    (the send path runs once per decode rank per chunk on the transfer thread, beside the
+    scheduler: nothing here is rebuilt there)."""
 
-    with _pack_lock:
-        buffer = getattr(self, _PACK_ATTR, None)
-        if buffer is None:
+    plan: DraftKVPeerPlan
+    dst_kv_ptrs: list  # the registration's pointers the verdict was made for
+    regime: Optional[Regime]
+    staging: object  # the rank's pack staging (draft_kv_staging), where it packs
+    max_batch: int  # SGLANG_DFLASH_DRAFT_KV_MAX_BATCH_DESCRIPTORS
+    head_slice: Optional[HeadSlice]  # what this rank packs for the peer (packed regime)
+    src_bases: np.ndarray  # per draft entry of the plan
+    dst_bases: np.ndarray
+    dst_item: np.ndarray  # decode bytes per page, per entry (a packed slab's page stride too)
+    src_pages: np.ndarray  # pages of each source entry (page ids must stay below)
 
-            def register(ptr: int, size: int) -> None:
-                rc = self.engine.batch_register([ptr], [size])
-                if rc not in (0, None):
-                    raise DraftKVLayoutError(
-                        f"Mooncake refused to register the {size}-byte draft KV pack buffer "
-                        f"(rc={rc}); lower {PACK_BUFFER_MB_ENV} or check the transfer engine."
-                    )
+    @classmethod
+    def of(cls, manager, plan: DraftKVPeerPlan, dst_kv_ptrs) -> "DraftSend":
+        kv_args = manager.kv_args
+        n_target = len(kv_args.kv_data_ptrs) - kv_args.num_draft_entries
+        entries = plan.entries
+        piece = None
+        if plan.pair is not None and plan.action.sends_draft:
+            if plan.pair.regime is Regime.PACK_SOURCE:
+                piece = HeadSlice.of(
+                    plan.pair.src,
+                    plan.pair.heads,
+                    [e.component for e in entries],
+                    [e.src_index - n_target for e in entries],
+                )
+        item = [kv_args.kv_item_lens[e.src_index] for e in entries]
+        source = draft_kv_source_for(kv_args)
+        return cls(
+            plan=plan,
+            dst_kv_ptrs=list(dst_kv_ptrs),
+            regime=None if plan.pair is None else plan.pair.regime,
+            staging=None if source is None else source.staging,
+            max_batch=max_batch_descriptors(),
+            head_slice=piece,
+            src_bases=np.asarray([kv_args.kv_data_ptrs[e.src_index] for e in entries], np.int64),
+            dst_bases=np.asarray([dst_kv_ptrs[e.dst_index] for e in entries], np.int64),
+            dst_item=np.asarray(
+                [plan.pair.dst.page_bytes(e.component) for e in entries]
+                if plan.pair is not None
+                else [],
+                np.int64,
+            ),
+            src_pages=np.asarray(
+                [kv_args.kv_data_lens[e.src_index] // n for e, n in zip(entries, item)],
+                np.int64,
+            ),
+        )
 
-            buffer = PackStagingBuffer(
-                pack_buffer_bytes(),
-                max(1, len(getattr(self, "transfer_queues", None) or ())),
-                source.entry_rows(0).device,
-                register,
-            )
-            setattr(self, _PACK_ATTR, buffer)
-            logger.info(
-                "DFlash draft KV pack buffer: %.1f MB on %s, %d slot(s), registered with Mooncake",
-                buffer.nbytes / (1 << 20),
-                buffer.device,
-                buffer.nbytes // buffer.slot_bytes,
-            )
-        return buffer
+    def check_pages(self, src_pages: np.ndarray) -> None:
+        if src_pages.size and self.src_pages.size:
+            lo, hi = int(src_pages.min()), int(src_pages.max())
+            if lo < 0 or hi >= int(self.src_pages.min()):
+                raise IndexError(
+                    f"draft KV page ids {lo}..{hi} outside the prefill pool's "
+                    f"{int(self.src_pages.min())} pages"
+                )
+
+
+def _attach(registration, plan: Optional[DraftKVPeerPlan], send: Optional[DraftSend]) -> None:
+    setattr(registration, _PLAN_ATTR, plan)
+    setattr(registration, _SEND_ATTR, send)
+    setattr(registration, _PENDING_ATTR, None)
 
 
 def _fill_decode_layer_ids(self, registration) -> None:
@@ -266,28 +313,41 @@ def _fill_decode_layer_ids(self, registration) -> None:
         raise DraftKVLayoutError(str(e)) from None
 
 
+def _decide(self, registration) -> Optional[DraftKVPeerPlan]:
+    """Verdict and send table for ``registration``, attached to it; raises to refuse."""
+    _fill_decode_layer_ids(self, registration)
+    plan = draft_kv_verdict(self, registration)
+    send = None
+    if plan is not None and plan.action is not PeerAction.STOCK:
+        send = DraftSend.of(self, plan, registration.dst_kv_ptrs)
+    _attach(registration, plan, send)
+    return plan
+
+
+def _refusal(self, registration, e: Exception) -> str:
+    return (
+        f"DFlash draft KV cannot be sent to decode attention TP rank "
+        f"{registration.dst_tp_rank} of {registration.dst_attn_tp_size} from "
+        f"prefill rank {self.attn_tp_rank} of {self.attn_tp_size}: {e}"
+    )
+
+
 def validate_peer_state_layout_around(original, self, registration_info, *args, **kwargs):
     fully_checked, mismatch = original(self, registration_info, *args, **kwargs)
     if mismatch is not None:
         return fully_checked, mismatch
     try:
-        _fill_decode_layer_ids(self, registration_info)
-        plan = draft_kv_verdict(self, registration_info)
+        plan = _decide(self, registration_info)
     except DraftKVLayoutError as e:
-        return False, (
-            f"DFlash draft KV cannot be sent to decode attention TP rank "
-            f"{registration_info.dst_tp_rank} of {registration_info.dst_attn_tp_size} from "
-            f"prefill rank {self.attn_tp_rank} of {self.attn_tp_size}: {e}"
-        )
-    except Exception as e:  # never let a check kill the bootstrap thread
+        return False, _refusal(self, registration_info, e)
+    except Exception as e:  # our check failed, not the decode's layout: decide at its next send
         logger.exception(
-            "DFlash draft KV check of decode %s failed", registration_info.mooncake_session_id
+            "DFlash draft KV check of decode %s failed; deciding again at its next request",
+            registration_info.mooncake_session_id,
         )
-        return False, (
-            f"DFlash draft KV: could not check decode {registration_info.mooncake_session_id}'s "
-            f"layout ({e!r}); refusing it rather than risk writing wrong bytes."
-        )
-    setattr(registration_info, _PLAN_ATTR, plan)
+        _attach(registration_info, None, None)
+        setattr(registration_info, _PENDING_ATTR, repr(e))
+        return False, None
     if plan is not None and plan.action is not PeerAction.STOCK:
         logger.info(
             "DFlash draft KV to decode %s: %s",
@@ -297,6 +357,19 @@ def validate_peer_state_layout_around(original, self, registration_info, *args, 
     return fully_checked, None
 
 
+def update_status_around(original, self, bootstrap_room, status, *args, **kwargs):
+    """A room whose decode is refused fails when its bootstrap completes (module docstring)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    if status == KVPoll.WaitingForInput and getattr(self.kv_args, "num_draft_entries", 0):
+        infos = (getattr(self, "transfer_infos", None) or {}).get(bootstrap_room) or {}
+        rejections = getattr(self, "state_layout_rejections", None) or {}
+        refused = [rejections[s] for s in infos if s in rejections]
+        if refused and draft_kv_source_for(self.kv_args) is not None:
+            return self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=refused[0])
+    return original(self, bootstrap_room, status, *args, **kwargs)
+
+
 # -- the worker's current chunk ---------------------------------------------------------------
 
 
@@ -304,14 +377,25 @@ def begin_chunk(manager, chunk) -> None:
     """This thread now sends ``chunk`` (a ``TransferKVChunk``, or None) for ``manager``."""
     end_chunk()
     _worker.manager, _worker.chunk, _worker.packs = manager, chunk, None
+    # sglang synchronises and drops the chunk's wait_event before the sends; keep its events
+    # for the pack's side stream (kv_write_fence).
+    _worker.written = cuda_event_of(getattr(chunk, "wait_event", None))
 
 
 def end_chunk() -> None:
     """Give back the pack slot of this thread's previous chunk, whatever its sends did."""
     packs = getattr(_worker, "packs", None)
     _worker.manager = _worker.chunk = _worker.packs = None
+    _worker.written = ()
     if packs is not None:
         packs.release()
+
+
+def _current_room(self) -> Optional[int]:
+    chunk = getattr(_worker, "chunk", None)
+    if chunk is None or getattr(_worker, "manager", None) is not self:
+        return None
+    return chunk.room
 
 
 class _ChunkQueue:
@@ -337,15 +421,9 @@ def transfer_worker_around(original, self, queue, *args, **kwargs):
         end_chunk()
 
 
-def _head_slice(self, plan: DraftKVPeerPlan) -> HeadSlice:
-    n_target = len(self.kv_args.kv_data_ptrs) - self.kv_args.num_draft_entries
-    pair = plan.pair
-    return HeadSlice(
-        heads=pair.heads,
-        src_entries=tuple(e.src_index - n_target for e in plan.entries),
-        byte_offsets=tuple(pair.src_offset(e.component) for e in plan.entries),
-        byte_widths=tuple(pair.width(e.component) for e in plan.entries),
-    )
+def _draft_send_of(self, session: str) -> Optional[DraftSend]:
+    registration = self.decode_kv_args_table.get(session)
+    return getattr(registration, _SEND_ATTR, None)
 
 
 def _packed_slice_of(self, session: str) -> Optional[HeadSlice]:
@@ -354,13 +432,11 @@ def _packed_slice_of(self, session: str) -> Optional[HeadSlice]:
         self, "state_layout_rejections", {}
     ):
         return None  # sglang's loop stops at such a session
-    plan = getattr(self.decode_kv_args_table.get(session), _PLAN_ATTR, None)
-    if plan is None or not plan.action.sends_draft or plan.pair.regime is not Regime.PACK_SOURCE:
-        return None
-    return _head_slice(self, plan)
+    send = _draft_send_of(self, session)
+    return None if send is None else send.head_slice
 
 
-def _chunk_packs(self, buffer) -> Optional[ChunkPacks]:
+def _chunk_packs(self, staging) -> Optional[ChunkPacks]:
     """The packs of the chunk this worker thread is sending, or None outside a worker chunk."""
     chunk = getattr(_worker, "chunk", None)
     if chunk is None or getattr(_worker, "manager", None) is not self:
@@ -373,19 +449,10 @@ def _chunk_packs(self, buffer) -> Optional[ChunkPacks]:
             for session, info in infos.items()
             if not getattr(info, "is_dummy", False)
         )
-        n = self.kv_args.num_draft_entries
-        key = (tuple(self.kv_args.kv_data_ptrs[-n:]), tuple(self.kv_args.kv_item_lens[-n:]))
         packs = _worker.packs = ChunkPacks(
-            buffer, readers, lambda: _draft_sources(self), self.kv_args.page_size, key=key
+            staging.buffer, staging.prepared, readers, self.kv_args.page_size, _worker.written
         )
     return packs
-
-
-def _draft_sources(self):
-    source = draft_kv_source_for(self.kv_args)
-    if source is None:
-        raise RuntimeError("the draft KV pool behind this rank's draft entries is gone")
-    return [source.entry_rows(q) for q in range(self.kv_args.num_draft_entries)]
 
 
 # -- sending --------------------------------------------------------------------------------
@@ -418,29 +485,88 @@ class _TargetEntriesOnly:
         return getattr(object.__getattribute__(self, "_manager"), name)
 
 
-def _cached_plan(self, session: str, dst_kv_ptrs) -> Tuple[Optional[DraftKVPeerPlan], bool]:
-    """(plan, consistent): the verdict attached to the peer's current registration."""
+class _LocalFailure(Exception):
+    """This rank's own work for one request failed (not the transport, not the decode)."""
+
+
+def _send_plan(self, session: str, dst_kv_ptrs) -> Tuple[Optional[DraftSend], int]:
+    """(send, failure code) for one send: no send table where sglang's own path is exact; a
+    failure if the decode re-registered other buffers since the verdict. Raises
+    :class:`_LocalFailure` when a pending verdict cannot be decided."""
     table = getattr(self, "decode_kv_args_table", None) or {}
     registration = table.get(session)
-    plan = getattr(registration, _PLAN_ATTR, None)
-    if plan is None:
-        return None, True
-    published = registration.dst_kv_ptrs
-    return plan, published is dst_kv_ptrs or list(published) == list(dst_kv_ptrs)
-
-
-def _send_plan(self, session: str, dst_kv_ptrs) -> Tuple[Optional[DraftKVPeerPlan], int]:
-    """(plan, failure code) for one send: no plan where sglang's own path is exact; a failure
-    if the decode re-registered other buffers since the verdict."""
-    plan, consistent = _cached_plan(self, session, dst_kv_ptrs)
-    if plan is None or plan.action is PeerAction.STOCK:
+    if getattr(registration, _PENDING_ATTR, None) is not None:
+        _decide_pending(self, session, registration)
+    send = getattr(registration, _SEND_ATTR, None)
+    if send is None:
         return None, 0
-    if not consistent:
+    if not (send.dst_kv_ptrs is dst_kv_ptrs or send.dst_kv_ptrs == list(dst_kv_ptrs)):
         logger.error(
             "Decode %s re-registered with other KV buffers during a transfer; failing it.", session
         )
         return None, -1
-    return plan, 0
+    return send, 0
+
+
+def _decide_pending(self, session: str, registration) -> None:
+    try:
+        plan = _decide(self, registration)
+    except DraftKVLayoutError as e:
+        reason = _refusal(self, registration, e)
+        with self.session_lock:
+            self.state_layout_rejections[session] = reason
+        raise _LocalFailure(reason) from None
+    except Exception as e:
+        raise _LocalFailure(f"the DFlash draft KV check of this decode failed again: {e!r}") from e
+    logger.info("DFlash draft KV to decode %s (decided late): %s", session,
+                "stock" if plan is None else plan.describe())  # fmt: skip
+
+
+def _room_failed(self) -> bool:
+    """This worker's chunk belongs to a room already failed (by an earlier local failure)."""
+    room = _current_room(self)
+    if room is None:
+        return False
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return self.request_status.get(room, KVPoll.Failed) == KVPoll.Failed
+
+
+def _fail_room(self, session: str, error: BaseException) -> int:
+    """Conclude the chunk's room as failed for a local error and keep the session healthy;
+    outside a worker chunk (no room to fail) report a failure code."""
+    room = _current_room(self)
+    logger.error("DFlash draft KV send to decode %s failed on this prefill: %r", session, error,
+                 exc_info=not isinstance(error, _LocalFailure))  # fmt: skip
+    if room is None:
+        return -1
+    self.conclude_failure(
+        bootstrap_room=room,
+        failure_reason=(
+            f"DFlash draft KV send of room {room} to decode {session} failed on prefill rank "
+            f"{getattr(self, 'attn_tp_rank', '?')} (pp rank {getattr(self, 'pp_rank', '?')}): "
+            f"{error}"
+        ),
+    )
+    return 0
+
+
+def _managed_send(self, session, dst_kv_ptrs, send_all) -> int:
+    """Run ``send_all(send)`` for a peer this plugin manages, with the failure rules of the
+    module docstring; ``send_all(None)`` is sglang's own path, untouched."""
+    registration = (getattr(self, "decode_kv_args_table", None) or {}).get(session)
+    managed = getattr(registration, _SEND_ATTR, None) is not None or (
+        getattr(registration, _PENDING_ATTR, None) is not None
+    )
+    if managed and _room_failed(self):
+        return 0  # a local failure already failed this room: nothing more to send for it
+    try:
+        send, failed = _send_plan(self, session, dst_kv_ptrs)
+    except _LocalFailure as e:
+        return _fail_room(self, session, e)
+    if failed or send is None:
+        return failed or send_all(None)
+    return send_all(send)
 
 
 def send_kvcache_around(
@@ -470,20 +596,18 @@ def send_kvcache_around(
             dst_attn_tp_size=dst_attn_tp_size,
         )
 
-    plan, failed = _send_plan(self, mooncake_session_id, dst_kv_ptrs)
-    if failed:
-        return failed
-    if plan is None:
-        return stock(self)
-    if plan.action is not PeerAction.DRAFT_ONLY:
-        ret = stock(_TargetEntriesOnly(self))
-        if ret != 0 or plan.action is PeerAction.TARGET_ONLY:
-            return ret
-    # sglang's HiSparse rule: the appended draft entries live in device pages on the decode.
-    dst_pages = dst_device_kv_indices if dst_device_kv_indices is not None else dst_kv_indices
-    return send_draft_entries(
-        self, plan, mooncake_session_id, prefill_kv_indices, dst_pages, dst_kv_ptrs
-    )
+    def send_all(send: Optional[DraftSend]) -> int:
+        if send is None:
+            return stock(self)
+        if send.plan.action is not PeerAction.DRAFT_ONLY:
+            ret = stock(_TargetEntriesOnly(self))
+            if ret != 0 or send.plan.action is PeerAction.TARGET_ONLY:
+                return ret
+        # sglang's HiSparse rule: the appended draft entries live in device pages on the decode.
+        dst_pages = dst_device_kv_indices if dst_device_kv_indices is not None else dst_kv_indices
+        return send_draft_entries(self, send, mooncake_session_id, prefill_kv_indices, dst_pages)
+
+    return _managed_send(self, mooncake_session_id, dst_kv_ptrs, send_all)
 
 
 def send_kvcache_slice_around(
@@ -513,155 +637,147 @@ def send_kvcache_slice_around(
             dst_ids,
         )
 
-    plan, failed = _send_plan(self, mooncake_session_id, dst_kv_ptrs)
-    if failed:
-        return failed
-    if plan is None:
-        return stock(self, dst_kv_ptrs, dst_layer_ids)
-    # sglang slices the target heads, seeing the target entries of both sides only: its
-    # K/V split (no layer ids) and its id pairing are then both exact.
-    n_target_dst = len(dst_kv_ptrs) - len(plan.entries)
-    if sorted(e.dst_index for e in plan.entries) != list(range(n_target_dst, len(dst_kv_ptrs))):
-        logger.error("DFlash draft KV: decode %s's draft entries are not its last entries",
-                     mooncake_session_id)
-        return -1
-    ids = list(dst_layer_ids[:n_target_dst]) if dst_layer_ids else dst_layer_ids
-    ret = stock(_TargetEntriesOnly(self), list(dst_kv_ptrs[:n_target_dst]), ids)
-    if ret != 0 or plan.action is PeerAction.TARGET_ONLY:
-        return ret
-    return send_draft_entries(
-        self, plan, mooncake_session_id, prefill_kv_indices, dst_kv_indices, dst_kv_ptrs
-    )
+    def send_all(send: Optional[DraftSend]) -> int:
+        if send is None:
+            return stock(self, dst_kv_ptrs, dst_layer_ids)
+        # sglang slices the target heads, seeing the target entries of both sides only: its
+        # K/V split (no layer ids) and its id pairing are then both exact.
+        entries = send.plan.entries
+        n_target_dst = len(dst_kv_ptrs) - len(entries)
+        if sorted(e.dst_index for e in entries) != list(range(n_target_dst, len(dst_kv_ptrs))):
+            logger.error("DFlash draft KV: decode %s's draft entries are not its last entries",
+                         mooncake_session_id)  # fmt: skip
+            return -1
+        ids = list(dst_layer_ids[:n_target_dst]) if dst_layer_ids else dst_layer_ids
+        ret = stock(_TargetEntriesOnly(self), list(dst_kv_ptrs[:n_target_dst]), ids)
+        if ret != 0 or send.plan.action is PeerAction.TARGET_ONLY:
+            return ret
+        return send_draft_entries(
+            self, send, mooncake_session_id, prefill_kv_indices, dst_kv_indices
+        )
+
+    return _managed_send(self, mooncake_session_id, dst_kv_ptrs, send_all)
 
 
-def send_draft_entries(
-    self, plan: DraftKVPeerPlan, session: str, src_pages, dst_pages, dst_kv_ptrs
-) -> int:
-    """Send this rank's draft entries to one decode rank; 0 or a failure code.
+def send_draft_entries(self, send: DraftSend, session: str, src_pages, dst_pages) -> int:
+    """Send this rank's draft entries to one decode rank: 0, or the transfer engine's failure.
 
-    A failure fails this transfer (sglang then concludes the room and marks the session);
-    an exception would instead end the transfer worker thread, so none escapes.
-    """
+    A local failure fails the chunk's room and returns 0 (module docstring); an exception
+    would instead end sglang's transfer worker thread, so none escapes."""
     try:
-        return _send_draft_entries(self, plan, session, src_pages, dst_pages, dst_kv_ptrs)
-    except Exception:
-        logger.exception("DFlash draft KV send to decode %s failed", session)
-        return -1
+        return _send_draft_entries(self, send, session, src_pages, dst_pages)
+    except Exception as e:
+        return _fail_room(self, session, e)
 
 
-def _send_draft_entries(self, plan, session, src_pages, dst_pages, dst_kv_ptrs) -> int:
+def _send_draft_entries(self, send: DraftSend, session, src_pages, dst_pages) -> int:
     src_pages = np.asarray(src_pages, dtype=np.int64).reshape(-1)
     dst_pages = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
     if src_pages.size != dst_pages.size:
-        logger.error(
-            "DFlash draft KV: %d prefill pages for %d decode pages", src_pages.size, dst_pages.size
-        )
-        return -1
-    pair = plan.pair
-    buffer = getattr(self, _PACK_ATTR) if pair.regime is Regime.PACK_SOURCE else None
-    packs = None if buffer is None else _chunk_packs(self, buffer)
+        raise _LocalFailure(f"{src_pages.size} prefill pages for {dst_pages.size} decode pages")
+    pair, staging = send.plan.pair, send.staging
+    packing = send.regime is Regime.PACK_SOURCE and staging is not None
+    packs = _chunk_packs(self, staging) if packing else None
     if packs is not None:
-        piece = _head_slice(self, plan)
         try:
-            slabs = packs.slab(piece, src_pages)
+            slabs = packs.slab(send.head_slice, src_pages)  # checks the pages it packs
             if slabs is not None:
-                return _send_from_slabs(self, plan, packs.slot, slabs, session, dst_pages, dst_kv_ptrs)
+                return _send_from_slabs(self, send, packs, slabs, session, dst_pages)
         finally:
-            packs.done(piece, session)
+            packs.done(send.head_slice, session)
+    send.check_pages(src_pages)
+    components = [e.component for e in send.plan.entries]
     step = pages_per_send(
         pair,
-        [e.component for e in plan.entries],
+        components,
         src_pages.size,
         max_batch_pages=self.max_transfer_batch_indices,
-        pack_slot_bytes=None if buffer is None else buffer.slot_bytes,
+        pack_slot_bytes=staging.buffer.slot_bytes if packing else None,
     )
     for start in range(0, src_pages.size, step):
         s, d = src_pages[start : start + step], dst_pages[start : start + step]
-        if buffer is not None:
-            ret = _send_packed(self, plan, buffer, session, s, d, dst_kv_ptrs)
-        else:
-            descriptors = Descriptors.concat(
-                [
-                    entry_descriptors(
-                        pair,
-                        e.component,
-                        self.kv_args.kv_data_ptrs[e.src_index],
-                        dst_kv_ptrs[e.dst_index],
-                        s,
-                        d,
-                    )
-                    for e in plan.entries
-                ]
-            )
-            ret = _transfer(self, session, descriptors)
+        if packing:
+            ret = _send_packed(self, send, staging, session, s, d)
+        else:  # a packed regime without staging (none could be built) goes per token row
+            build = per_token_descriptors if send.regime is Regime.PACK_SOURCE else entry_descriptors
+            ret = _transfer(self, session, _pool_descriptors(send, s, d, build), send.max_batch)
         if ret != 0:
             return ret
     return 0
 
 
-def _send_from_slabs(self, plan, slot, slabs, session, dst_pages, dst_kv_ptrs) -> int:
-    """Send this decode rank's pages from the chunk's packed slabs (entry order of ``plan``),
-    in sglang's bounded index batches when it sets them."""
-    pair = plan.pair
-    step = pages_per_send(
-        pair,
-        [e.component for e in plan.entries],
-        dst_pages.size,
-        max_batch_pages=self.max_transfer_batch_indices,
+def _pool_descriptors(send: DraftSend, src_pages, dst_pages, build) -> Descriptors:
+    """Descriptors straight from the pool's entries (``build`` is a ``draft_kv_plan`` builder)."""
+    return Descriptors.concat(
+        [
+            build(send.plan.pair, e.component, int(sb), int(db), src_pages, dst_pages)
+            for e, sb, db in zip(send.plan.entries, send.src_bases, send.dst_bases)
+        ]
     )
-    for start in range(0, dst_pages.size, step):
-        d = dst_pages[start : start + step]
-        descriptors = Descriptors.concat(
-            [
-                packed_descriptors(
-                    pair,
-                    e.component,
-                    slot.ptr + at + start * pair.bytes_per_page(e.component),
-                    dst_kv_ptrs[e.dst_index],
-                    d,
-                )
-                for e, at in zip(plan.entries, slabs)
-            ]
+
+
+def _send_from_slabs(self, send: DraftSend, packs: ChunkPacks, slabs, session, dst_pages) -> int:
+    """Send this decode rank's pages from the chunk's packed slabs (entry order of the plan),
+    in sglang's bounded index batches when it sets them."""
+    step = dst_pages.size
+    if self.max_transfer_batch_indices > 0:
+        step = pages_per_send(
+            send.plan.pair,
+            [e.component for e in send.plan.entries],
+            dst_pages.size,
+            max_batch_pages=self.max_transfer_batch_indices,
         )
-        ret = _transfer(self, session, descriptors)
+    bases = packs.slot.ptr + np.asarray(slabs, dtype=np.int64)
+    for start in range(0, dst_pages.size, max(step, 1)):
+        runs = packs.dst_runs(dst_pages[start : start + step])
+        descriptors = packed_run_descriptors(
+            send.dst_item, bases + start * send.dst_item, send.dst_bases, runs
+        )
+        ret = _transfer(self, session, descriptors, send.max_batch)
         if ret != 0:
+            packs.failed()
             return ret
     return 0
 
 
-def _send_packed(self, plan, buffer, session, src_pages, dst_pages, dst_kv_ptrs) -> int:
-    from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import pack_row_slices
+def _send_packed(self, send: DraftSend, staging, session, src_pages, dst_pages) -> int:
+    """One window of pages packed for this decode rank alone (no chunk slab), or, with every
+    slot held or quarantined, sent per token row straight from the pool."""
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import pack_slices
 
-    pair = plan.pair
-    source = draft_kv_source_for(self.kv_args)
-    if source is None:
-        raise RuntimeError("the draft KV pool behind this rank's draft entries is gone")
-    n_target = len(self.kv_args.kv_data_ptrs) - self.kv_args.num_draft_entries
-    sources = [source.entry_rows(e.src_index - n_target) for e in plan.entries]
-    with buffer.acquire() as slot:
-        with slot.on_stream():
-            rows = slot.rows(pack_source_rows(pair, src_pages))
-            slabs = pack_row_slices(
-                sources,
-                rows,
-                [pair.src_offset(e.component) for e in plan.entries],
-                [pair.width(e.component) for e in plan.entries],
-                slot.buffer,
-            )
-        descriptors = Descriptors.concat(
-            [
-                entry_descriptors(
-                    pair, e.component, slot.ptr + at, dst_kv_ptrs[e.dst_index], src_pages, dst_pages
-                )
-                for e, at in zip(plan.entries, slabs)
-            ]
+    slot = staging.buffer.take()
+    if slot is None:
+        logger.warning("DFlash draft KV: no free pack slot; sending %s per token row", session)
+        descriptors = _pool_descriptors(send, src_pages, dst_pages, per_token_descriptors)
+        return _transfer(self, session, descriptors, send.max_batch)
+    ok = False
+    try:
+        (slabs,) = pack_slices(
+            slot,
+            0,
+            (send.head_slice,),
+            staging.prepared,
+            pack_source_rows(send.plan.pair, src_pages),
+            getattr(_worker, "written", ()),
         )
-        return _transfer(self, session, descriptors)
+        runs = dst_page_runs(dst_pages)
+        bases = slot.ptr + np.asarray(slabs, dtype=np.int64)
+        descriptors = packed_run_descriptors(send.dst_item, bases, send.dst_bases, runs)
+        ret = _transfer(self, session, descriptors, send.max_batch)
+        ok = ret == 0
+        return ret
+    finally:
+        staging.buffer.give_back(slot, quarantine=not ok)
 
 
-def _transfer(self, session: str, descriptors: Descriptors) -> int:
-    for batch in descriptors.batches(max_batch_descriptors()):
-        ret = self._transfer_data(session, batch.as_blocks())
+def _transfer(self, session: str, descriptors: Descriptors, max_batch: int) -> int:
+    """The transfer engine's calls; what it returns (or raises) is the transport's verdict."""
+    for batch in descriptors.batches(max_batch):
+        try:
+            ret = self._transfer_data(session, batch.as_blocks())
+        except Exception:
+            logger.exception("Mooncake transfer of DFlash draft KV to %s raised", session)
+            ret = -1
         if ret != 0:
             return ret
     return 0
@@ -683,6 +799,12 @@ HOOKS = (
         validate_peer_state_layout_around,
         "around",
         "refuse decode peers whose draft KV layout cannot be served, before any byte is written",
+    ),
+    PluginHook(
+        f"{_MANAGER}.update_status",
+        update_status_around,
+        "around",
+        "fail a request at bootstrap when its decode's draft KV layout was refused",
     ),
     PluginHook(
         f"{_MANAGER}.send_kvcache",

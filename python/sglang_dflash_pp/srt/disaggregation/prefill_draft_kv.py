@@ -12,7 +12,10 @@ transfer entries (target KV, then the draft pool's K and V buffers) and builds i
 2. **Describe the DFLASH draft pool for the transfer layer** (``mooncake_draft_kv``): the
    draft's total KV heads, K and V head dims and element size, which ``KVArgs`` does not carry,
    and the pool buffers behind the draft entries (the pack reads them), in the registry
-   ``draft_kv_source`` owns. Recorded before the original runs, because the KV manager starts its bootstrap thread inside it, and decode
+   ``draft_kv_source`` owns, with the rank's pack staging (``draft_kv_staging``: buffer, slots,
+   prepared and compiled packs), so nothing of the send path is allocated or compiled while
+   serving. Recorded before the original runs, because the KV manager registers the staging
+   with the transfer engine and starts its bootstrap thread inside it, and decode
    registrations, which are checked against this record, can arrive at once.
 3. **Refuse to start without the transfer hooks**: without them a decode with another attention
    TP would receive wrong draft bytes, silently.
@@ -23,6 +26,7 @@ With ``--pp-size 1`` and no DFLASH draft the hook only calls the original.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Optional
 
 from sglang_dflash_pp.hooks import PluginHook, is_applied
@@ -61,10 +65,15 @@ def _uses_mooncake(queue) -> bool:
 
 
 def _require_transfer_hooks() -> None:
-    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
+    from sglang_dflash_pp.srt.disaggregation import (
+        draft_kv_staging,
+        kv_write_fence,
+        mooncake_draft_kv,
+    )
 
     mooncake_draft_kv.check_environment()
-    missing = [h for h in mooncake_draft_kv.HOOKS if not is_applied(h)]
+    hooks = mooncake_draft_kv.HOOKS + draft_kv_staging.HOOKS + kv_write_fence.HOOKS
+    missing = [h for h in hooks if not is_applied(h)]
     if missing:
         lines = "\n".join(f"  - {h.name}: {h.why}" for h in missing)
         raise RuntimeError(
@@ -100,8 +109,53 @@ def init_kv_manager_around(original, self, *args, **kwargs):
                 "and draft layout: %s.",
                 source.shape_unknown_reason,
             )
+        else:
+            staging = _build_staging(source, self.token_to_kv_pool.page_size)
+            source = replace(source, staging=staging)
         record_draft_kv_source(source)
     return original(self, *args, **kwargs)
+
+
+def attention_tp():
+    """(size, rank) of this rank's attention TP group: how the KV manager shards the draft KV."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return int(parallel.attn_tp_size), int(parallel.attn_tp_rank)
+
+
+def _build_staging(source, page_size: int):
+    """The rank's pack staging, before sglang builds the KV manager (which registers it)."""
+    from sglang.srt.environ import envs
+    from sglang.srt.runtime_context import get_schedule, max_prefill_buffer_tokens
+
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVGeometry
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_staging import (
+        allocate_for_mooncake,
+        build_staging,
+    )
+
+    tp_size, tp_rank = attention_tp()
+    src = DraftKVGeometry.for_rank(
+        source.shape, side="prefill", tp_size=tp_size, tp_rank=tp_rank, page_size=page_size
+    )
+    device = source.entry_rows(0).device
+    try:
+        staging = build_staging(
+            source,
+            src,
+            chunk_tokens=max_prefill_buffer_tokens() or get_schedule().max_prefill_tokens,
+            num_slots=max(1, int(envs.SGLANG_DISAGGREGATION_QUEUE_SIZE.get())),
+            allocate=allocate_for_mooncake(device),
+        )
+    except (RuntimeError, ValueError) as e:  # out of memory, a bad size
+        raise RuntimeError(
+            f"DFLASH draft KV pack staging could not be set up on {device}: {e}. Lower "
+            "--mem-fraction-static or set SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB smaller."
+        ) from e
+    if staging is not None:
+        logger.info("DFLASH draft KV pack staging: %s", staging.describe())
+    return staging
 
 
 HOOKS = (

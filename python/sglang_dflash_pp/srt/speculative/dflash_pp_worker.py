@@ -9,6 +9,9 @@ and its KV pool on every stage, and on a non-last stage dereferences ``logits_ou
   layer and never send draft KV), only the ``[H, H]`` ``fc`` blocks of the features they capture,
   read from the draft checkpoint; they run the target with full capture and replace the raw capture
   in the outbound proxy with the running partial (``pp_stage_carry``);
+* every stage records, after its forward, the event the KV transfer of the batch's requests
+  waits on (``kv_write_fence``: sglang's own ordering of a middle chunk's send after its
+  forward is lost under ``--pp-async-batch-depth`` and ``SGLANG_PP_COMM_OVERLAP``);
 * the last stage is the stock worker with the inbound partial stashed on the draft model around the
   stock forward (the ``models/dflash.py`` hook finishes it), minus the two target-embedding steps
   that cannot run where the embedding is not local, and minus the verify-sampling rehearsal (a
@@ -46,6 +49,7 @@ from sglang.srt.speculative.draft_parallel import (
 from sglang.srt.speculative.spec_utils import draft_pp_context, draft_tp_context
 
 from sglang_dflash_pp.hooks import require_hooks_applied
+from sglang_dflash_pp.srt.disaggregation.kv_write_fence import record_kv_written
 from sglang_dflash_pp.srt.arg_groups.dflash_pp_gate import CONFIGURATION
 from sglang_dflash_pp.srt.models.capture_ownership import (
     FeatureOwnership,
@@ -226,12 +230,16 @@ class PPDFlashWorkerV2(DFlashWorkerV2):
         if self._hosts_draft:
             context = LastStageContext(self._w_stage, inbound_partial(self._carry, inbound))
             with stashed_context(self.draft_model, context):
-                return super().forward_batch_generation(
+                result = super().forward_batch_generation(
                     batch,
                     on_publish=on_publish,
                     grammar_barrier=grammar_barrier,
                     pp_proxy_tensors=pp_proxy_tensors,
                 )
+            # The target and the draft KV of this forward are written: every later transfer of
+            # these requests waits on this event (kv_write_fence).
+            record_kv_written(getattr(batch, "reqs", ()), self.device)
+            return result
         result = self.target_worker.forward_batch_generation(
             batch,
             pp_proxy_tensors=pp_proxy_tensors,
@@ -245,6 +253,7 @@ class PPDFlashWorkerV2(DFlashWorkerV2):
             self._carry_dtype,
         )
         result.new_seq_lens = batch.seq_lens
+        record_kv_written(getattr(batch, "reqs", ()), self.device)
         if on_publish is not None:
             on_publish(result.new_seq_lens)
         return result
