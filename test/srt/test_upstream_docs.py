@@ -114,5 +114,7 @@ def test_coverage_check_catches_a_hook_without_a_page():
         "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache"
     )
     assert (rel, symbol) == ("srt/disaggregation/mooncake/conn.py", "MooncakeKVManager.send_kvcache")
-    rel, _ = upstream_file_and_symbol("sglang.srt.managers.scheduler.Scheduler.run_batch")
+    rel, _ = upstream_file_and_symbol(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
+    )
     assert not os.path.isfile(page_for(rel))
