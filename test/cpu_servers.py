@@ -205,9 +205,10 @@ def launch_server(name: str, root: str, model_path: str, args: Sequence[str], *,
     ).start()
 
 
-def launch_pd_router(name: str, root: str, prefills: Sequence[tuple], decodes: Sequence[str]
-                     ) -> ServerProcess:
-    """Start the real PD router: ``prefills`` are (base_url, bootstrap_port), ``decodes`` URLs."""
+def launch_pd_router(name: str, root: str, prefills: Sequence[tuple], decodes: Sequence[str],
+                     extra_args: Sequence[str] = ()) -> ServerProcess:
+    """Start the real PD router: ``prefills`` are (base_url, bootstrap_port), ``decodes`` URLs;
+    ``extra_args`` are further ``launch_router`` options."""
     port, metrics = free_port(), free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
     for url, bootstrap in prefills:
@@ -215,7 +216,7 @@ def launch_pd_router(name: str, root: str, prefills: Sequence[tuple], decodes: S
     for url in decodes:
         cmd += ["--decode", url]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(metrics)]
+            "--prometheus-port", str(metrics), *extra_args]
     base = f"http://127.0.0.1:{port}"
     # /readiness answers 200 once the router has registered healthy workers (it listens before).
     return ServerProcess(name, cmd, dict(os.environ), os.path.join(root, f"{name}.log"),

@@ -20,6 +20,7 @@ CUDA tensor or a non-cpu device.
 from __future__ import annotations
 
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -36,3 +37,12 @@ def register() -> None:
     for patch in PATCHES:
         HookRegistry.register(patch.target, patch.hook, HookType(patch.hook_type))
     logger.info("sglang-dflash-pp CPU test support: %d hooks registered", len(PATCHES))
+    # Instruments registered only where a test asked for them by their variable.
+    from sglang_dflash_pp_cpu_support import fault_injection, idle_check_trace
+
+    for instrument in (fault_injection, idle_check_trace):
+        if os.environ.get(instrument.ENV):
+            HookRegistry.register(instrument.TARGET, instrument.HOOK,
+                                  HookType(instrument.HOOK_TYPE))
+            logger.info("sglang-dflash-pp CPU test support: %s on %s", instrument.__name__,
+                        instrument.TARGET)
