@@ -38,6 +38,21 @@ ITERS, WARMUP = 100, 20
 SAMPLES: dict = {}  # label -> raw samples (ms)
 
 
+_PACKS: dict = {}
+
+
+def fused_pack(sources, rows, offsets, widths, out, *, block_words=4096, num_warps=4):
+    """The shipped ``FusedPack`` (its table built once per sources/offsets, as the send path
+    prepares it at startup), one eager launch into ``out``."""
+    key = (tuple(s.data_ptr() for s in sources), tuple(offsets), block_words, num_warps)
+    pack = _PACKS.get(key)
+    if pack is None:
+        pack = _PACKS[key] = fused.FusedPack(sources, offsets, widths, out.device)
+        pack.NUM_WARPS = num_warps
+        pack.block_rows = max(1, block_words // pack.block_cols)
+    return pack(rows, out)
+
+
 def bench(fn, label):
     SAMPLES[label] = samples_ms(fn, iters=ITERS, warmup=WARMUP)
     return statistics.median(SAMPLES[label])
@@ -75,7 +90,7 @@ def main():
 
     def run_fused():
         for g, offs in enumerate(groups):
-            fused.pack_row_slices_fused(sources, rows, offs, widths, out_fused[g * half : (g + 1) * half])
+            fused_pack(sources, rows, offs, widths, out_fused[g * half : (g + 1) * half])
 
     # Both head groups in one launch: the 24 (entry, group) slices as one table.
     all_sources = sources * P_HEADS
@@ -83,7 +98,7 @@ def main():
     out_one = torch.empty(total, dtype=torch.uint8, device=dev)
 
     def run_fused_one_launch():
-        fused.pack_row_slices_fused(all_sources, rows, all_offsets, [slice_bytes] * len(all_sources), out_one)
+        fused_pack(all_sources, rows, all_offsets, [slice_bytes] * len(all_sources), out_one)
 
     assert all(fused.eligible(sources, offs, widths, out_fused) for offs in groups)
     run_torch()
@@ -123,7 +138,7 @@ def main():
     for block_words in (1024, 2048, 4096, 8192, 16384):
         for num_warps in (4, 8, 16):
             def one(bw=block_words, nw=num_warps):
-                fused.pack_row_slices_fused(
+                fused_pack(
                     all_sources, rows, all_offsets, [slice_bytes] * len(all_sources), out_one,
                     block_words=bw, num_warps=nw,
                 )
