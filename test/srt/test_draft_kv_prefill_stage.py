@@ -254,3 +254,22 @@ def test_a_pack_staging_that_cannot_be_allocated_stops_the_server(attention_tp, 
         prefill_draft_kv.init_kv_manager_around(lambda self: pytest.fail("started anyway"), q)
     assert "pack staging could not be set up" in str(info.value)
     assert "SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB" in str(info.value)
+
+
+def test_a_staging_too_small_for_a_chunk_is_warned_about_at_startup(attention_tp, monkeypatch,
+                                                                     caplog):
+    """SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB below one chunk's head slices still serves (slices
+    packed one at a time, or per decode rank in page windows) but says so before serving."""
+    import logging
+
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_QUEUE_SIZE", "2")
+    monkeypatch.setenv("SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB", "1")
+    draft = mha_pool(heads=2, layers=3, head_dim=64)
+    q = queue_shell(pp_rank=0, pp_size=1, draft_pool=draft, backend="MOONCAKE", draft_heads=8)
+    with attention_tp(4, 1, chunked_prefill_size=1024), caplog.at_level(logging.WARNING):
+        source = _startup_source(q, draft)
+    size = source.staging.size
+    assert (size.slot_bytes, size.num_slots) == (1 << 19, 2)
+    assert size.chunk_slot_bytes == 17 * 64 * 2 * 3 * 2 * 64 * 2 > size.slot_bytes
+    (warning,) = [r.getMessage() for r in caplog.records if "PACK_BUFFER_MB" in r.getMessage()]
+    assert "1024-token chunk" in warning and "packed in several steps" in warning
