@@ -35,9 +35,7 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import defaultdict
 from types import SimpleNamespace
 
 import numpy as np
@@ -61,61 +59,18 @@ TIMED = [
 
 
 def _manager(pool):
-    from sglang.srt.disaggregation.base.conn import KVArgs
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
-    from sglang.srt.disaggregation.utils import DisaggregationMode
+    """The manager shell of ``bench_draft_kv_transfer`` (same geometry), with no engine."""
+    from bench_draft_kv_transfer import prefill_manager
 
-    kv_args = KVArgs()
-    ptrs, lens, items = pool.get_contiguous_buf_infos()
-    kv_args.engine_rank = PREFILL_RANK
-    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = list(ptrs), list(lens), list(items)
-    kv_args.kv_layer_ids = list(DRAFT_LAYER_IDS)
-    kv_args.num_draft_entries = len(ptrs)
-    kv_args.page_size = PAGE
-    kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = [], [], []
-    kv_args.state_types, kv_args.state_data_ptrs, kv_args.state_data_lens = [], [], []
-    kv_args.state_item_lens, kv_args.state_layer_ids = [], []
-    kv_args.mla_compression_ratios = None
-    kv_args.prefill_start_layer = 0
-    kv_args.pp_rank = 0
-    m = object.__new__(MooncakeKVManager)
-    m.kv_args = kv_args
-    m.disaggregation_mode = DisaggregationMode.PREFILL
-    m.is_mla_backend, m.is_hybrid_mla_backend = False, True  # Kimi-K3: hybrid MLA target
-    m.attn_tp_size, m.attn_tp_rank, m.state_tp_size = PREFILL_TP, PREFILL_RANK, PREFILL_TP
-    m.attn_cp_size, m.attn_cp_rank = 1, 0
-    m.pp_size, m.pp_rank = 1, 0
-    m.engine = SimpleNamespace(batch_register=lambda p, n: 0, batch_deregister=lambda p: 0)
-    m.decode_kv_args_table, m.transfer_infos, m.request_status = {}, {}, {}
-    m.session_lock = threading.Lock()
-    m.state_layout_rejections, m.state_strides_validated = {}, set()
-    m.failed_sessions, m.session_failures, m.failed_session_probes = set(), defaultdict(int), {}
-    m.max_transfer_batch_indices = 0
-    m.enable_custom_mem_pool, m.custom_mem_pool_type = False, None
-    m.transfer_queues = [None] * 4  # sglang's default SGLANG_DISAGGREGATION_QUEUE_SIZE
-    m.enable_trace = m.enable_staging = m.enable_deferred_decode_kv_release = False
-    m._staging_outstanding = defaultdict(int)
-    m.req_to_decode_prefix_len = {}
-    m._dcp_pack_buffers = None
-    m.bootstrap_port = 0
-    m.failures = []
-    m.conclude_failure = lambda bootstrap_room, failure_reason, targets=None: m.failures.append(
-        (bootstrap_room, failure_reason)
-    )
-    return m
+    return prefill_manager(SimpleNamespace(batch_register=lambda p, n: 0,
+                                           batch_deregister=lambda p: 0), pool)  # fmt: skip
 
 
 def _registration(session, rank, item_lens):
-    from sglang.srt.disaggregation.mooncake.conn import KVArgsRegisterInfo
+    from bench_draft_kv_transfer import registration
 
-    return KVArgsRegisterInfo(
-        room="None", endpoint="127.0.0.1", dst_port=1, mooncake_session_id=session,
-        dst_kv_ptrs=[1 << 40 | rank << 32 | q << 24 for q in range(2 * LAYERS)], dst_aux_ptrs=[],
-        dst_state_data_ptrs=[], dst_tp_rank=rank, dst_attn_tp_size=DECODE_TP,
-        dst_kv_item_len=item_lens[0], dst_state_item_lens=[], dst_state_dim_per_tensor=[],
-        dst_kv_layer_ids=list(DRAFT_LAYER_IDS), dst_state_layer_ids=[],
-        dst_kv_item_lens=list(item_lens),
-    )  # fmt: skip
+    return registration(session, rank, [1 << 40 | rank << 32 | q << 24 for q in range(2 * LAYERS)],
+                        item_lens)  # fmt: skip
 
 
 def _stub_pack(chunk_packs):

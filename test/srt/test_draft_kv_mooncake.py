@@ -259,6 +259,19 @@ def decode_registration(
     )
 
 
+def register_decode_ranks(m, ranks, *, tp_size=32):
+    """Decode ranks of one TP ``tp_size`` instance registered with ``m`` through sglang's (hooked)
+    ``_publish_peer_registration``, each with its own buffers; none refused."""
+    regs = []
+    for r in ranks:
+        reg = decode_registration(f"d:{r}", tp_size=tp_size, tp_rank=r)
+        reg.dst_kv_ptrs = [p + r * 50_000_000 for p in reg.dst_kv_ptrs]
+        assert m._publish_peer_registration(reg.mooncake_session_id, reg) is None
+        regs.append(reg)
+    with_pack_regions(m)
+    return regs
+
+
 def run_rooms(manager, registrations, rooms, *, dst_device_pages=None):
     """One non-final chunk per room (``{room: (src_pages, dst_pages)}``), each room sent to every
     registration, through the real transfer worker loop, as the scheduler enqueues them."""

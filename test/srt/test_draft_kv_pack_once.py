@@ -27,15 +27,7 @@ from test_draft_kv_mooncake import pools  # noqa: E402,F401  (fixture)
 DECODE_RANKS = list(range(8, 16))  # the decode ranks sglang maps to prefill rank 1 of 4
 
 
-def register_decode_ranks(m, ranks):
-    regs = []
-    for r in ranks:
-        reg = harness.decode_registration(f"d:{r}", tp_size=32, tp_rank=r)
-        reg.dst_kv_ptrs = [p + r * 50_000_000 for p in reg.dst_kv_ptrs]
-        assert m._publish_peer_registration(reg.mooncake_session_id, reg) is None
-        regs.append(reg)
-    harness.with_pack_regions(m)
-    return regs
+register_decode_ranks = harness.register_decode_ranks
 
 
 def run_rooms(m, regs, rooms):

@@ -26,14 +26,7 @@ DECODE_RANKS = (8, 12)
 
 def registered(pools, **kw):
     m, _ = harness.setup_prefill(pools, 4, 1, **kw)
-    regs = []
-    for r in DECODE_RANKS:
-        reg = harness.decode_registration(f"d:{r}", tp_size=32, tp_rank=r)
-        reg.dst_kv_ptrs = [p + r * 50_000_000 for p in reg.dst_kv_ptrs]
-        assert m._publish_peer_registration(reg.mooncake_session_id, reg) is None
-        regs.append(reg)
-    harness.with_pack_regions(m)
-    return m, regs
+    return m, harness.register_decode_ranks(m, DECODE_RANKS)
 
 
 def draft_writes(m, session):
@@ -127,15 +120,8 @@ def test_a_verdict_that_could_not_be_decided_is_not_cached_as_a_refusal(pools, m
         return real(*args, **kwargs)
 
     monkeypatch.setattr(mooncake_draft_kv, "peer_verdict", flaky)
-    m, _ = harness.setup_prefill(pools, 4, 1)
-    regs = []
-    for r in DECODE_RANKS:
-        reg = harness.decode_registration(f"d:{r}", tp_size=32, tp_rank=r)
-        reg.dst_kv_ptrs = [p + r * 50_000_000 for p in reg.dst_kv_ptrs]
-        assert m._publish_peer_registration(reg.mooncake_session_id, reg) is None
-        regs.append(reg)
+    m, regs = registered(pools)  # accepted, the verdicts pending
     assert m.state_layout_rejections == {}
-    harness.with_pack_regions(m)
 
     src, dst = harness.SRC_PAGES, harness.DST_PAGES
     harness.run_rooms(m, regs, {7: (src, dst)})  # still broken: that request fails
