@@ -2,7 +2,7 @@
 
 The kernel is the GPU path; here it runs under Triton's interpreter (``TRITON_INTERPRET=1``, set
 in a subprocess because Triton reads it when kernels are defined), on CPU tensors, against both
-``pack_row_slices`` and an independent gather written with plain indexing.
+``pack_row_slices_index_select`` and an independent gather written with plain indexing.
 """
 
 from __future__ import annotations
@@ -114,24 +114,36 @@ def test_kernel_is_offered_only_for_uniform_aligned_cuda_slices():
     assert not fused._aligned(pools, [0, 0], 250, out)  # a width that is not whole words
 
 
-def test_pack_row_slices_takes_the_kernel_whenever_it_is_eligible(monkeypatch):
-    from sglang_dflash_pp.srt.disaggregation import draft_kv_pack
+def test_a_prepared_pack_takes_the_kernel_whenever_it_is_eligible(monkeypatch):
+    """The send path's packs (``PreparedPacks``) are the fused kernel where it applies and
+    torch's gather otherwise (the CPU here: the torch pack writes the right bytes)."""
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import PreparedPacks
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVGeometry
 
-    calls = []
+    pools = [torch.arange(16 * 2 * 8, dtype=torch.int16).reshape(16, 2, 8) + 500 * e for e in (0, 1)]
+    sources = [as_byte_rows(p) for p in pools]
+    geometry = DraftKVGeometry("prefill", 1, 0, 2, 8, 8, 2, 4)
+    out = torch.zeros(1024, dtype=torch.uint8)
+    torch_packs = PreparedPacks(sources, geometry, out)
+    partition = next(iter(torch_packs.partitions.values()))
+    pack = torch_packs.pack(partition)
+    assert not isinstance(pack, fused.FusedPack)
+    offsets = pack(torch.tensor([3, 0]), out, 64)
+    assert offsets == [64 + i * 2 * 16 for i in range(4)]  # (head, entry) slabs of 2 rows x 16 B
+    got = out[64 : 64 + 32].view(torch.int16).reshape(2, 8)
+    assert torch.equal(got, pools[0][[3, 0], 0, :])  # head 0 of K for rows 3 and 0
+
+    made = []
 
     class Recording:
         def __init__(self, *args):
-            pass
-
-        def __call__(self, rows, out, at=0):
-            calls.append(rows)
-            return [0]
+            made.append(args)
 
     monkeypatch.setattr(fused, "eligible", lambda *a: True)
     monkeypatch.setattr(fused, "FusedPack", Recording)
-    pools = [as_byte_rows(torch.zeros(4, 2, 8, dtype=torch.bfloat16))]
-    assert draft_kv_pack.pack_row_slices(pools, torch.tensor([0]), [0], [16], torch.empty(64, dtype=torch.uint8)) == [0]
-    assert len(calls) == 1
+    fused_packs = PreparedPacks(sources, geometry, out)
+    assert all(isinstance(p, Recording) for p in fused_packs._packs.values())
+    assert len(made) == 3  # both heads at once, and each alone
 
 
 def test_the_kernel_compiles_once_per_width_whatever_the_rows_and_offsets():

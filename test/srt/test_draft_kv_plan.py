@@ -26,7 +26,9 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import (
     DraftKVShape,
     KVComponent,
 )
-from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import pack_row_slices
+from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import (
+    pack_row_slices_index_select as pack_row_slices,
+)
 from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
     Descriptors,
     Regime,

@@ -4,11 +4,11 @@ Used when the decode rank holds fewer draft heads than the prefill rank (``Regim
 its heads are a strided slice of every source token row. Torch only, no sglang import, so the
 same code runs where sglang is not installed.
 
-:func:`pack_row_slices` is the kernel boundary: it takes every entry of one transfer at once
-(sources, byte offsets and widths per entry), which is the shape a single fused Triton launch
-wants (sglang's ``copy_mla_rows_into_pack`` has the same contract over raw pointers). On CUDA it
-runs the fused Triton kernel of ``draft_kv_pack_triton``; elsewhere (and for unaligned slices) one
-``index_select`` per entry on the buffers' own device.
+A pack takes every entry of one transfer at once (sources, byte offsets and widths per entry),
+which is the shape a single fused Triton launch wants (sglang's ``copy_mla_rows_into_pack`` has
+the same contract over raw pointers): on CUDA the fused kernel of ``draft_kv_pack_triton``
+(:func:`prepared_pack`), elsewhere and for unaligned slices one ``index_select`` per entry on the
+buffers' own device (:func:`pack_row_slices_index_select`).
 
 :class:`PackStagingBuffer` is allocated once per prefill rank at startup, before the server
 serves (``draft_kv_staging``), on the draft pool's device, and split into one slot per transfer
@@ -55,40 +55,16 @@ def pack_slot_bytes(row_bytes: int, page_size: int, chunk_tokens: int) -> int:
     return -(-pages * int(page_size) * int(row_bytes) // _SLOT_ALIGN) * _SLOT_ALIGN
 
 
-def pack_row_slices(
-    sources: Sequence[torch.Tensor],
-    rows: torch.Tensor,
-    byte_offsets: Sequence[int],
-    byte_widths: Sequence[int],
-    out: torch.Tensor,
-) -> List[int]:
-    """Write ``sources[e][rows, off_e : off_e + w_e]`` for each ``e`` into consecutive ``out`` slabs.
-
-    ``sources`` are ``uint8 [num_rows, row_bytes]`` views (:func:`as_byte_rows`), ``rows`` an
-    int64 tensor on their device, ``out`` a flat ``uint8`` tensor. Returns each slab's byte
-    offset in ``out``; slab ``e`` is ``len(rows) x w_e`` bytes, row-major.
-
-    On CUDA, uniform 8-byte-aligned slices (every bf16/fp16 draft) go through one fused Triton
-    launch (``draft_kv_pack_triton``; its table built here, for one-off callers; the send path
-    prepares its packs at startup with :func:`prepared_pack`); otherwise one ``index_select``
-    per entry.
-    """
-    pack = prepared_pack(sources, byte_offsets, byte_widths, out)
-    if pack is not None:
-        return pack(rows, out)
-    return pack_row_slices_index_select(sources, rows, byte_offsets, byte_widths, out)
-
-
 def prepared_pack(
     sources: Sequence[torch.Tensor],
     byte_offsets: Sequence[int],
     byte_widths: Sequence[int],
     out: torch.Tensor,
 ) -> Optional[Callable[[torch.Tensor, torch.Tensor], List[int]]]:
-    """:func:`pack_row_slices` with its sources, offsets and widths fixed, as ``pack(rows, out)``:
-    the fused kernel's checks and table done once. None where the fused kernel does not apply
-    (call :func:`pack_row_slices_index_select` then). ``out`` is any buffer the pack will write
-    into (for its device and alignment)."""
+    """The fused pack of ``sources`` at these offsets and widths, as ``pack(rows, out, at)``: the
+    kernel's checks and table done once. None where the fused kernel does not apply (use
+    :func:`pack_row_slices_index_select` then). ``out`` is any buffer the pack will write into
+    (for its device and alignment)."""
     from sglang_dflash_pp.srt.disaggregation import draft_kv_pack_triton
 
     if not draft_kv_pack_triton.eligible(sources, byte_offsets, byte_widths, out):
@@ -103,7 +79,12 @@ def pack_row_slices_index_select(
     byte_widths: Sequence[int],
     out: torch.Tensor,
 ) -> List[int]:
-    """The portable implementation of :func:`pack_row_slices`: one ``index_select`` per entry."""
+    """Write ``sources[e][rows, off_e : off_e + w_e]`` for each ``e`` into consecutive ``out``
+    slabs, one ``index_select`` per entry; returns each slab's byte offset in ``out``.
+
+    ``sources`` are ``uint8 [num_rows, row_bytes]`` views (:func:`as_byte_rows`), ``rows`` an
+    int64 tensor on their device, ``out`` a flat ``uint8`` tensor; slab ``e`` is
+    ``len(rows) x w_e`` bytes, row-major."""
     n = int(rows.numel())
     offsets: List[int] = []
     at = 0

@@ -1,6 +1,6 @@
 """One Triton launch that packs a strided head slice of every draft KV entry into staging slabs.
 
-Same contract as :func:`draft_kv_pack.pack_row_slices` (slab ``e`` = ``sources[e][rows, off_e :
+Same contract as :func:`draft_kv_pack.pack_row_slices_index_select` (slab ``e`` = ``sources[e][rows, off_e :
 off_e + w]``, row-major, slabs back to back in ``out``), for the case every entry has the same
 slice width and every offset, width, row stride and base is 8-byte aligned, which is the case for
 bf16/fp16 draft KV with a head dim divisible by 4.
