@@ -53,18 +53,23 @@ logger = logging.getLogger(__name__)
 PACK_BUFFER_MB_ENV = "SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB"
 
 
-def pack_buffer_mb_override() -> Optional[int]:
-    """``SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB`` (the whole buffer, MiB), or None when unset."""
-    raw = os.environ.get(PACK_BUFFER_MB_ENV, "").strip()
+def env_int(name: str, default: Optional[int], minimum: int) -> Optional[int]:
+    """An integer environment switch of the draft-KV send path (``default`` when unset)."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return None
+        return default
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{PACK_BUFFER_MB_ENV}={raw!r} must be an integer") from None
-    if value < 1:
-        raise ValueError(f"{PACK_BUFFER_MB_ENV}={value} must be at least 1")
+        raise ValueError(f"{name}={raw!r} must be an integer") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be at least {minimum}")
     return value
+
+
+def pack_buffer_mb_override() -> Optional[int]:
+    """``SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB`` (the whole buffer, MiB), or None when unset."""
+    return env_int(PACK_BUFFER_MB_ENV, None, 1)
 
 
 @dataclass(frozen=True)

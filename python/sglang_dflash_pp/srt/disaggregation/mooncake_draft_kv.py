@@ -67,7 +67,6 @@ Environment (read at startup on a DFLASH Mooncake prefill):
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -103,6 +102,7 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
 from sglang_dflash_pp.srt.disaggregation.draft_kv_source import draft_kv_source_for
 from sglang_dflash_pp.srt.disaggregation.draft_kv_staging import (
     PACK_BUFFER_MB_ENV,
+    env_int,
     pack_buffer_mb_override,
 )
 from sglang_dflash_pp.srt.disaggregation.kv_write_fence import cuda_event_of
@@ -120,21 +120,8 @@ _PENDING_ATTR = "_dflash_draft_kv_pending"  # ... or why the verdict could not b
 _worker = threading.local()  # per transfer worker thread: manager, chunk, its events, packs
 
 
-def _env_int(name: str, default: int, minimum: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} must be an integer") from None
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be at least {minimum}")
-    return value
-
-
 def max_batch_descriptors() -> int:
-    return _env_int(MAX_BATCH_DESCRIPTORS_ENV, 1024, 1)
+    return env_int(MAX_BATCH_DESCRIPTORS_ENV, 1024, 1)
 
 
 def check_environment() -> None:
