@@ -26,6 +26,7 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import (
     DraftKVGeometry,
     DraftKVShape,
     KVComponent,
+    draft_entry_components,
     format_heads,
 )
 from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import (
@@ -58,7 +59,7 @@ class DraftKVTopology:
     @property
     def components(self) -> List[KVComponent]:
         """Entry order of sglang's MHA pool: K0..K(L-1), then V0..V(L-1)."""
-        return [KVComponent.K] * self.num_layers + [KVComponent.V] * self.num_layers
+        return draft_entry_components(2 * self.num_layers)
 
     def geometry(self, side: str, rank: int) -> DraftKVGeometry:
         tp = self.prefill_tp if side == "prefill" else self.decode_tp

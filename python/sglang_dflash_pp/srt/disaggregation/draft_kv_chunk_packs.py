@@ -37,7 +37,12 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tupl
 import numpy as np
 import torch
 
-from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVGeometry, KVComponent
+from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import (
+    DraftKVGeometry,
+    KVComponent,
+    check_page_ids,
+    draft_entry_components,
+)
 from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import (
     PackSlot,
     PackStagingBuffer,
@@ -73,12 +78,6 @@ class HeadSlice:
         return sum(self.byte_widths)
 
 
-def draft_components(num_draft_entries: int) -> List[KVComponent]:
-    """sglang's MHA pool registers K0..K(L-1) then V0..V(L-1)."""
-    half = num_draft_entries // 2
-    return [KVComponent.K] * half + [KVComponent.V] * (num_draft_entries - half)
-
-
 class PreparedPacks:
     """Every pack a prefill rank can be asked for, prepared once (see the module docstring).
 
@@ -90,7 +89,7 @@ class PreparedPacks:
     def __init__(self, sources: Sequence[torch.Tensor], src: DraftKVGeometry, out: torch.Tensor):
         self.sources = list(sources)
         self.num_pages = int(self.sources[0].shape[0]) // src.page_size if self.sources else 0
-        components = draft_components(len(self.sources))
+        components = draft_entry_components(len(self.sources))
         entries = tuple(range(len(self.sources)))
         h_p, first = src.heads_per_rank, src.head_start
         self.partitions: Dict[HeadSlice, Tuple[HeadSlice, ...]] = {}
@@ -119,6 +118,10 @@ class PreparedPacks:
             for o in pack_row_slices_index_select(flat, rows, offsets, widths, buffer[at:])
         ]
 
+    @property
+    def count(self) -> int:
+        return len(self._packs)
+
     def partition(self, s: HeadSlice) -> Tuple[HeadSlice, ...]:
         """The slices packed together with ``s`` (its partition), or ``(s,)`` for a slice no
         partition has (a layout this rank was not prepared for: it is packed by torch)."""
@@ -129,15 +132,17 @@ class PreparedPacks:
         return pack if pack is not None else self._prepare(slices, None)
 
     def warm(self, buffer: PackStagingBuffer) -> int:
-        """Make every prepared pack ready for every slot of ``buffer`` now: run each once on one
-        row (compiles and loads the fused kernel of each width) and, on CUDA, capture its graphs
-        (``draft_kv_pack_triton.GraphedPack``). Returns the graphs captured."""
+        """Make every prepared pack ready for every slot of ``buffer`` now: on CUDA capture the
+        fused packs' graphs (``draft_kv_pack_triton.GraphedPack``, which compiles and loads their
+        kernel first), the only form they run in while serving; run every other pack once on one
+        row. Returns the graphs captured."""
         from sglang_dflash_pp.srt.disaggregation.draft_kv_pack_triton import FusedPack, GraphedPack
 
         slot = buffer.slots[0]
+        eager = [p for p in self._packs.values() if slot.stream is None or not isinstance(p, FusedPack)]
         with slot.on_stream():
             rows = slot.rows(np.zeros(1, dtype=np.int64))
-            for pack in self._packs.values():
+            for pack in eager:  # the torch packs (and every pack on a CPU) run eagerly
                 pack(rows, slot.buffer, 0)
         graphs = 0
         for slot in buffer.slots if slot.stream is not None else ():
@@ -147,14 +152,6 @@ class PreparedPacks:
                     graphs += graphed.capture_all(slot.max_rows)
         return graphs
 
-    def check_pages(self, pages: np.ndarray) -> None:
-        """Refuse page ids outside the pool before a kernel reads them (a fault there would be
-        sticky and kill the stage)."""
-        if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
-            raise IndexError(
-                f"draft KV page ids {int(pages.min())}..{int(pages.max())} outside the pool's "
-                f"{self.num_pages} pages"
-            )
 
 
 def pack_slices(
@@ -231,7 +228,7 @@ class ChunkPacks:
             self.release()
             return None
         if not covered:
-            self.prepared.check_pages(pages)
+            check_page_ids(pages, self.prepared.num_pages)
             self._drop_slabs()
             self.pages = pages.copy()
         partition = self.prepared.partition(s)

@@ -61,6 +61,23 @@ class DraftKVShape:
         return f"{self.total_heads} KV heads, {dims}, {self.dtype_bytes}-byte elements"
 
 
+def draft_entry_components(num_draft_entries: int) -> List[KVComponent]:
+    """The component of each draft transfer entry: sglang's MHA pool registers K0..K(L-1), then
+    V0..V(L-1)."""
+    half = num_draft_entries // 2
+    return [KVComponent.K] * half + [KVComponent.V] * (num_draft_entries - half)
+
+
+def check_page_ids(pages, num_pages: int) -> None:
+    """Refuse page ids outside a pool of ``num_pages`` before anything reads them: a GPU kernel
+    faulting there is sticky and takes the stage down, a descriptor there fails the transfer."""
+    if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        raise IndexError(
+            f"draft KV page ids {int(pages.min())}..{int(pages.max())} outside the pool's "
+            f"{num_pages} pages"
+        )
+
+
 def heads_divide_check(side: str, tp_size: int, total_heads: int) -> None:
     if total_heads % tp_size and tp_size % total_heads:
         lower = max(d for d in range(1, total_heads + 1) if total_heads % d == 0 and d <= tp_size)

@@ -34,6 +34,7 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import (
     DraftKVLayoutError,
     DraftKVShape,
     KVComponent,
+    draft_entry_components,
 )
 from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
     DraftKVPairPlan,
@@ -126,9 +127,7 @@ class DecodePeer:
 
 
 def _component(prefill: PrefillSide, i: int) -> KVComponent:
-    # sglang's MHA pool registers k0..k(L-1) then v0..v(L-1).
-    q = i - prefill.num_target_entries
-    return KVComponent.K if q < prefill.num_draft_entries // 2 else KVComponent.V
+    return draft_entry_components(prefill.num_draft_entries)[i - prefill.num_target_entries]
 
 
 def peer_verdict(

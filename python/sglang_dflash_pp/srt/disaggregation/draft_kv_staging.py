@@ -45,7 +45,11 @@ import torch
 
 from sglang_dflash_pp.hooks import PluginHook
 from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import PreparedPacks
-from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVGeometry, KVComponent
+from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import (
+    DraftKVGeometry,
+    KVComponent,
+    draft_entry_components,
+)
 from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import PackStagingBuffer, pack_slot_bytes
 
 logger = logging.getLogger(__name__)
@@ -91,10 +95,7 @@ class StagingSize:
 def staging_size(src: DraftKVGeometry, num_entries: int, *, chunk_tokens: int,
                  num_slots: int) -> StagingSize:  # fmt: skip
     """The slot size for rank ``src`` (``num_entries`` draft entries, K then V)."""
-    half = num_entries // 2
-    row_bytes = half * src.row_bytes(KVComponent.K) + (num_entries - half) * src.row_bytes(
-        KVComponent.V
-    )
+    row_bytes = sum(src.row_bytes(c) for c in draft_entry_components(num_entries))
     need = pack_slot_bytes(row_bytes, src.page_size, chunk_tokens)
     override = pack_buffer_mb_override()
     slot = need if override is None else (override << 20) // num_slots
@@ -141,7 +142,7 @@ def build_staging(source, src: DraftKVGeometry, *, chunk_tokens: int, num_slots:
     )
     prepared = PreparedPacks(entries, src, buffer.slots[0].buffer)
     graphs = prepared.warm(buffer)
-    staging = DraftKVStaging(buffer, prepared, size, len(prepared._packs), graphs)
+    staging = DraftKVStaging(buffer, prepared, size, prepared.count, graphs)
     if not size.packs_a_chunk_at_once:
         logger.warning(
             "%s=%s gives %d B per draft KV pack slot; packing every head slice of a %d-token "

@@ -79,7 +79,10 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import (
     HeadSlice,
     readers_by_slice,
 )
-from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVLayoutError
+from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import (
+    DraftKVLayoutError,
+    check_page_ids,
+)
 from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import (
     DecodePeer,
     DraftKVPeerPlan,
@@ -271,13 +274,8 @@ class DraftSend:
         )
 
     def check_pages(self, src_pages: np.ndarray) -> None:
-        if src_pages.size and self.src_pages.size:
-            lo, hi = int(src_pages.min()), int(src_pages.max())
-            if lo < 0 or hi >= int(self.src_pages.min()):
-                raise IndexError(
-                    f"draft KV page ids {lo}..{hi} outside the prefill pool's "
-                    f"{int(self.src_pages.min())} pages"
-                )
+        if self.src_pages.size:
+            check_page_ids(src_pages, int(self.src_pages.min()))
 
 
 def _attach(registration, plan: Optional[DraftKVPeerPlan], send: Optional[DraftSend]) -> None:
@@ -476,12 +474,10 @@ class _LocalFailure(Exception):
     """This rank's own work for one request failed (not the transport, not the decode)."""
 
 
-def _send_plan(self, session: str, dst_kv_ptrs) -> Tuple[Optional[DraftSend], int]:
+def _send_plan(self, session: str, registration, dst_kv_ptrs) -> Tuple[Optional[DraftSend], int]:
     """(send, failure code) for one send: no send table where sglang's own path is exact; a
     failure if the decode re-registered other buffers since the verdict. Raises
     :class:`_LocalFailure` when a pending verdict cannot be decided."""
-    table = getattr(self, "decode_kv_args_table", None) or {}
-    registration = table.get(session)
     if getattr(registration, _PENDING_ATTR, None) is not None:
         _decide_pending(self, session, registration)
     send = getattr(registration, _SEND_ATTR, None)
@@ -548,7 +544,7 @@ def _managed_send(self, session, dst_kv_ptrs, send_all) -> int:
     if managed and _room_failed(self):
         return 0  # a local failure already failed this room: nothing more to send for it
     try:
-        send, failed = _send_plan(self, session, dst_kv_ptrs)
+        send, failed = _send_plan(self, session, registration, dst_kv_ptrs)
     except _LocalFailure as e:
         return _fail_room(self, session, e)
     if failed or send is None:
