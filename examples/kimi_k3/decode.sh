@@ -32,6 +32,8 @@ ARGS=(
     --disaggregation-mode decode
     # Must match P's transfer backend.
     --disaggregation-transfer-backend mooncake
+    # Verify every transferred byte (the plugin's composed KV digest); P passes the same flag.
+    --disaggregation-enable-kv-checksum
     # bf16 KV cache, the same dtype as P (the transfer copies bytes).
     --kv-cache-dtype bf16
     # Listen on all interfaces; the router reaches node 0 at $D_HEAD:$D_PORT.

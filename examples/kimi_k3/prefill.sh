@@ -36,6 +36,9 @@ ARGS=(
     # one whose draft-KV send path the plugin makes head-aware (P TP4 = 2 draft KV heads/rank,
     # D TP32 = 1 head/rank).
     --disaggregation-transfer-backend mooncake
+    # Verify every transferred byte on D (the plugin's composed KV digest; stock would skip
+    # every request of a PP or other-TP prefill). D passes the same flag.
+    --disaggregation-enable-kv-checksum
     # KV bootstrap port (8998 is also the default); the router's --prefill entry must name it.
     --disaggregation-bootstrap-port "$P_BOOTSTRAP_PORT"
     # Prefill in chunks of 8192 tokens (per PP micro-batch).

@@ -32,6 +32,8 @@ HOOK_MODULES = (
     "sglang_dflash_pp.srt.disaggregation.mooncake_draft_kv",
     "sglang_dflash_pp.srt.disaggregation.draft_kv_staging",
     "sglang_dflash_pp.srt.disaggregation.kv_write_fence",
+    "sglang_dflash_pp.srt.disaggregation.kv_digest_send",
+    "sglang_dflash_pp.srt.disaggregation.kv_digest_verify",
     "sglang_dflash_pp.srt.managers.empty_prompt_refusal",
 )
 

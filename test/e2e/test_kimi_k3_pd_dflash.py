@@ -28,6 +28,7 @@ import e2e_models as models
 from deployments import Deployment
 from deployment_args import DECODE_ARGS, prefill_args
 from draft_kv_dumps import read_dumps
+from kv_digest_outcomes import ROUTER_ARGS, CHECKSUM, assert_corruption_detected, read_outcomes
 
 pytestmark = pytest.mark.slow
 
@@ -56,6 +57,8 @@ def k3(e2e_root, stub_root):
     target = models.write_kimi_k3_target(os.path.join(root, "target"))
     draft = models.write_kimi_k3_draft(os.path.join(root, "draft"))
     dump = os.path.join(root, "decode_draft_kv")
+    digest = os.path.join(root, "kv_digest")
+    os.makedirs(digest, exist_ok=True)
     spec = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft]
     dep = Deployment("kimi-k3")
 
@@ -67,13 +70,15 @@ def k3(e2e_root, stub_root):
     boot1, boot2 = cpu_servers.free_port(), cpu_servers.free_port()
     try:
         launch("A", [])
-        launch("P1", prefill_args(boot1), pd=True)
-        launch("P2", prefill_args(boot2) + ["--pp-size", "2"], pd=True, ranks=2)
-        launch("D", DECODE_ARGS, pd=True, env={"SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": dump})
+        launch("P1", prefill_args(boot1) + [CHECKSUM], pd=True)
+        launch("P2", prefill_args(boot2) + [CHECKSUM, "--pp-size", "2"], pd=True, ranks=2)
+        launch("D", DECODE_ARGS + [CHECKSUM], pd=True,
+               env={"SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": dump,
+                    "SGLANG_DFLASH_PP_TEST_KV_DIGEST_DIR": digest})
         dep.wait()
         for name, (p, boot) in (("router-b", ("P1", boot1)), ("router-c", ("P2", boot2))):
             dep.add(cpu_servers.launch_pd_router(name, root, [(dep[p].base_url, boot)],
-                                                 [dep["D"].base_url]))
+                                                 [dep["D"].base_url], ROUTER_ARGS))
         dep.wait(["router-b", "router-c"])
         urls = {"a": dep["A"].base_url, "b": dep["router-b"].base_url,
                 "c": dep["router-c"].base_url}
@@ -82,7 +87,7 @@ def k3(e2e_root, stub_root):
                   for i, p in enumerate(PROMPTS)]
             for key, url in urls.items()
         }
-        yield {"outputs": outputs, "dump": dump}
+        yield {"outputs": outputs, "dump": dump, "digest": digest, "dep": dep}
     finally:
         dep.kill()
 
@@ -129,3 +134,20 @@ def test_k3_decode_draft_kv_after_pp2_prefill_equals_pp1_prefill(k3):
             assert float(ref.abs().mean()) > 1e-2
             diff = float((got - ref).abs().max())
             assert diff <= draft_kv_tolerance(ref), (i, kind, diff)
+
+
+def test_k3_every_pd_request_is_verified_with_its_state(k3):
+    """MLA target KV, KDA state and draft KV of every PD request, PP1 and PP2 prefill, verified
+    on the decode by the composed digest (stock skips every PP2 request)."""
+    rows = read_outcomes(k3["digest"])
+    sent = {f"k3-{key}-{i}" for key in "bc" for i in range(len(PROMPTS))}
+    assert all(r["outcome"] == "verified" for r in rows), rows
+    assert {r["rid"] for r in rows} >= sent
+    assert "admitted unverified" not in k3["dep"]["D"].log_text()
+
+
+@pytest.mark.parametrize("kind", ["state", "target"])
+def test_k3_corrupted_byte_is_detected_and_the_next_request_served(k3, kind):
+    url = k3["dep"]["router-c"].base_url
+    assert_corruption_detected(url, PROMPTS[1], MAX_NEW_TOKENS, f"k3-c-corrupt-{kind}", kind,
+                               k3["outputs"]["c"][1]["output_ids"], k3["digest"])

@@ -463,3 +463,21 @@ def test_staging_buffer_and_hnd_pool_refused_only_where_they_break_the_transfer(
     assert code == EXIT_REFUSED
     (hit,) = [x for x in r["refusals"] if "draft KV pool class" in x["source"]]
     assert "SGLANG_USE_HND_KVCACHE" in hit["message"] and "(2)" in hit["message"]
+
+
+def test_check_says_whether_transfers_are_verified(example_report, capsys):
+    """Kimi-K3's recipe runs with the KV checksum: check says every transfer of the PP8 -> TP32
+    deployment is verified by the composed digest (stock would skip all of them) and that the
+    decode needs the flag too; the Qwen3 example without it says transfers are not verified and
+    how to turn it on."""
+    from sglang_dflash_pp.tools.check_text import render
+
+    c = example_report["kv_checksum"]
+    assert c == {"enabled": True, "prefill_ranks": 32, "decode_tp": 32, "stock_would_skip": True}
+    assert "--disaggregation-enable-kv-checksum" in example_report["decode"]["argv"]
+    text = render(example_report)
+    assert "KV checksum: on; every transfer is verified on the decode by the composed digest" in text
+    assert "each of the 32 prefill ranks sends each decode rank" in text
+    code, r = _main_json(capsys, ["check", "--example", "qwen3-8b", "--json"])
+    assert code == 0 and r["kv_checksum"]["enabled"] is False
+    assert "KV checksum: off. Transfers are not verified" in render(r)

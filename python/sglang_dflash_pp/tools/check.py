@@ -131,6 +131,7 @@ def _check(inputs: CheckInputs, dirs: ConfigDirs) -> dict:
         refusals.add("decode startup (derived decode arguments, plugin loaded)", d.error)
     _startup_assertions(p, d, models, int(page_size), out, refusals)
     _draft_kv(inputs, p, d, models, int(page_size), out, refusals)
+    out["kv_checksum"] = _kv_checksum(p, inputs.decode_tp)
     _last_stage_draft_weights(p, ownership, models, out)
     out["notes"] += _platform_notes(p)
     return _finish(out, refusals)
@@ -178,6 +179,8 @@ def _decode_argv(p: Resolution, decode_tp: int, page_size: int) -> List[str]:
     ]  # fmt: skip
     if p.value("trust_remote_code"):
         argv.append("--trust-remote-code")
+    if p.value("disaggregation_enable_kv_checksum"):
+        argv.append("--disaggregation-enable-kv-checksum")  # both sides, or aux buffers differ
     return argv
 
 
@@ -432,6 +435,23 @@ def _draft_kv(inputs, p: Resolution, d: Resolution, models: _Models, page_size: 
                 )
                 break
     out["draft_kv"] = rep
+
+
+def _kv_checksum(p: Resolution, decode_tp: int) -> dict:
+    """Whether this deployment's transfers will be verified (``kv_digest_send`` /
+    ``kv_digest_verify``), and how."""
+    from sglang.srt.environ import envs
+
+    pp, tp = int(p.value("pp_size", 1)), int(p.value("tp_size", 1))
+    stock_skips = pp > 1 or tp != decode_tp
+    rep = dict(enabled=bool(p.value("disaggregation_enable_kv_checksum")), prefill_ranks=pp * tp,
+               decode_tp=decode_tp, stock_would_skip=stock_skips)  # fmt: skip
+    if rep["enabled"] and envs.SGLANG_DISAGG_STAGING_BUFFER.get() and tp != decode_tp:
+        rep["refused"] = (
+            "SGLANG_DISAGG_STAGING_BUFFER at another attention TP: the digest does not see the "
+            "staging copy, so registration refuses the decode while the checksum is on"
+        )
+    return rep
 
 
 def transfer_chunk_tokens(p: Resolution) -> int:

@@ -26,6 +26,8 @@ def render(rep: dict) -> str:
         out += _carry(rep["carry"])
     if "draft_kv" in rep:
         out += _draft_kv(rep["draft_kv"])
+    if "kv_checksum" in rep:
+        out += _kv_checksum(rep["kv_checksum"])
     if "last_stage_draft_weights" in rep:
         out += _last_stage_draft_weights(rep["last_stage_draft_weights"])
     if "startup_assertions" in rep:
@@ -214,3 +216,27 @@ def _rank_heads(tag: str, ranks) -> str:
             groups.append([q, q, h])
     parts = [f"{tag}{a}{f'-{b}' if b > a else ''}: {_heads(h)}" for a, b, h in groups]
     return "; ".join(parts if len(parts) <= 8 else parts[:4] + ["..."] + parts[-2:])
+
+
+def _kv_checksum(c: dict) -> List[str]:
+    n, d = c["prefill_ranks"], c["decode_tp"]
+    why = ("stock's --disaggregation-enable-kv-checksum alone would admit them unverified: the "
+           "PP stages / TP widths differ" if c["stock_would_skip"] else
+           "stock's digest would also compare them (same layout)")  # fmt: skip
+    if not c["enabled"]:
+        return ["", "KV checksum: off. Transfers are not verified (" + why + "). Add "
+                "--disaggregation-enable-kv-checksum to the prefill and every decode to verify "
+                "every transferred byte (the composed digest)."]  # fmt: skip
+    if c.get("refused"):
+        return ["", f"KV checksum: on, but {c['refused']}."]
+    return [
+        "",
+        "KV checksum: on; every transfer is verified on the decode by the composed digest "
+        f"({why}).",
+        f"  each of the {n} prefill ranks sends each decode rank it writes one message of "
+        "per-buffer sums (target KV entries, KDA/Mamba state, draft KV entries) before its "
+        "status;",
+        f"  each of the {d} decode ranks digests its own bytes of the request when it enters a "
+        "batch and drops it on a mismatch, naming the room, buffer and prefill ranks; "
+        "--disaggregation-enable-kv-checksum goes on the decode servers too.",
+    ]

@@ -38,11 +38,13 @@ def register() -> None:
         HookRegistry.register(patch.target, patch.hook, HookType(patch.hook_type))
     logger.info("sglang-dflash-pp CPU test support: %d hooks registered", len(PATCHES))
     # Instruments registered only where a test asked for them by their variable.
-    from sglang_dflash_pp_cpu_support import fault_injection, idle_check_trace
+    from sglang_dflash_pp_cpu_support import fault_injection, idle_check_trace, kv_digest_trace
 
-    for instrument in (fault_injection, idle_check_trace):
+    for instrument in (fault_injection, idle_check_trace, kv_digest_trace):
         if os.environ.get(instrument.ENV):
-            HookRegistry.register(instrument.TARGET, instrument.HOOK,
-                                  HookType(instrument.HOOK_TYPE))
-            logger.info("sglang-dflash-pp CPU test support: %s on %s", instrument.__name__,
-                        instrument.TARGET)
+            hooks = getattr(instrument, "HOOKS", None) or (
+                (instrument.TARGET, instrument.HOOK, instrument.HOOK_TYPE),)
+            for target, hook, hook_type in hooks:
+                HookRegistry.register(target, hook, HookType(hook_type))
+                logger.info("sglang-dflash-pp CPU test support: %s on %s", instrument.__name__,
+                            target)

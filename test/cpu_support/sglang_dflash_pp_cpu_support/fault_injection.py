@@ -1,4 +1,5 @@
-"""Test-only: fail one prefill-side draft KV send when a test asks for it.
+"""Test-only: fail one prefill-side draft KV send, or drop one KV digest message, when a test
+asks for it.
 
 Enabled by ``SGLANG_DFLASH_PP_TEST_FAULT_DIR=<dir>`` (registered by the test-support plugin only
 when that variable is set). AROUND the product's
@@ -10,7 +11,13 @@ While ``<dir>/fail-next-draft-send`` does not exist every call runs unchanged. W
 the next call in this process removes it and raises :data:`MESSAGE` instead of running (the
 removal is the claim: of several racing calls exactly one wins), after writing
 ``<dir>/injected-<pid>-<n>.json`` (rank, Mooncake session, time) so the test can check that the
-injection fired exactly once and where. Nothing else is changed.
+injection fired exactly once and where.
+
+Likewise AROUND the product's ``sglang_dflash_pp.srt.disaggregation.kv_digest_send.
+_send_contribution`` (one prefill rank's KV digest message to one decode rank, called through
+the module global): while ``<dir>/drop-next-digest`` exists, the next call removes it and sends
+nothing (recorded as ``dropped-<pid>-<n>.json``): a sender that never delivers its sums.
+Nothing else is changed.
 """
 
 from __future__ import annotations
@@ -56,4 +63,29 @@ def fail_next_draft_send(original, *args, **kwargs):
     return original(*args, **kwargs)
 
 
-HOOK, HOOK_TYPE = fail_next_draft_send, "around"
+DIGEST_TARGET = "sglang_dflash_pp.srt.disaggregation.kv_digest_send._send_contribution"
+DIGEST_TRIGGER = "drop-next-digest"
+
+
+def drop_next_digest(original, manager, contribution, req, *args, **kwargs):
+    directory = os.environ.get(ENV)
+    if directory:
+        try:
+            os.remove(os.path.join(directory, DIGEST_TRIGGER))
+        except FileNotFoundError:
+            pass
+        else:
+            record = {"pid": os.getpid(), "room": int(contribution.room), "time": time.time(),
+                      "session": str(req.mooncake_session_id), **_ranks()}  # fmt: skip
+            path = os.path.join(directory, f"dropped-{os.getpid()}-{next(_count)}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(record, f)
+            os.replace(path + ".tmp", path)
+            return None
+    return original(manager, contribution, req, *args, **kwargs)
+
+
+HOOKS = (
+    (TARGET, fail_next_draft_send, "around"),
+    (DIGEST_TARGET, drop_next_digest, "around"),
+)

@@ -46,6 +46,7 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import (
     KVComponent,
     format_heads,
 )
+from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks
 
 
 class Regime(enum.Enum):
@@ -287,6 +288,28 @@ def per_token_descriptors(
     src = (src + plan.src_offset(c)).reshape(-1)
     dst = (dst + plan.dst_offset(c)).reshape(-1)
     return Descriptors(src, dst, np.full(src.size, plan.width(c), dtype=np.int64))
+
+
+def digest_blocks(
+    plan: DraftKVPairPlan, c: KVComponent, src_base: int, slot: int, src_pages, dst_pages
+) -> Blocks:
+    """The KV digest's blocks (``kv_digest``) of what this pair writes of one entry, read from the
+    pool whatever the regime (a packed slab is a copy; digesting the pool also catches a pack
+    that read stale rows): per page, ``page_size`` strided rows of the head slice, at the
+    decode offsets :func:`per_token_descriptors` writes them to."""
+    _require_writer(plan)
+    s, d = _pages(src_pages), _pages(dst_pages)
+    if s.size != d.size:
+        raise ValueError(f"page lists differ in length: {s.size} source, {d.size} destination")
+    return Blocks.of(
+        src_base + s * plan.src.page_bytes(c) + plan.src_offset(c),
+        d * plan.dst.page_bytes(c) + plan.dst_offset(c),
+        plan.width(c),
+        slot,
+        rows=plan.src.page_size,
+        src_stride=plan.src.row_bytes(c),
+        dst_stride=plan.dst.row_bytes(c),
+    )
 
 
 def pages_per_send(

@@ -95,6 +95,7 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import (
 from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
     Descriptors,
     Regime,
+    digest_blocks,
     dst_page_runs,
     entry_descriptors,
     pack_source_rows,
@@ -108,7 +109,7 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_staging import (
     env_int,
     pack_buffer_mb_override,
 )
-from sglang_dflash_pp.srt.disaggregation.kv_write_fence import cuda_event_of
+from sglang_dflash_pp.srt.disaggregation import kv_digest_send, transfer_chunk
 from sglang_dflash_pp.srt.disaggregation.mha_layer_ids import (
     decode_mha_layer_ids,
     published_num_layers,
@@ -120,7 +121,7 @@ MAX_BATCH_DESCRIPTORS_ENV = "SGLANG_DFLASH_DRAFT_KV_MAX_BATCH_DESCRIPTORS"
 _PLAN_ATTR = "dflash_draft_kv_plan"  # on the decode's KVArgsRegisterInfo: the verdict
 _SEND_ATTR = "_dflash_draft_kv_send"  # ... and what sending it needs (DraftSend)
 _PENDING_ATTR = "_dflash_draft_kv_pending"  # ... or why the verdict could not be decided yet
-_worker = threading.local()  # per transfer worker thread: manager, chunk, its events, packs
+_packs = threading.local()  # per transfer worker thread: the packs of its chunk (transfer_chunk)
 
 
 def max_batch_descriptors() -> int:
@@ -321,6 +322,9 @@ def validate_peer_state_layout_around(original, self, registration_info, *args, 
     fully_checked, mismatch = original(self, registration_info, *args, **kwargs)
     if mismatch is not None:
         return fully_checked, mismatch
+    refusal = kv_digest_send.peer_refusal(self, registration_info)
+    if refusal is not None:
+        return False, refusal
     try:
         plan = _decide(self, registration_info)
     except DraftKVLayoutError as e:
@@ -361,26 +365,24 @@ def update_status_around(original, self, bootstrap_room, status, *args, **kwargs
 def begin_chunk(manager, chunk) -> None:
     """This thread now sends ``chunk`` (a ``TransferKVChunk``, or None) for ``manager``."""
     end_chunk()
-    _worker.manager, _worker.chunk, _worker.packs = manager, chunk, None
-    # sglang synchronises and drops the chunk's wait_event before the sends; keep its events
-    # for the pack's side stream (kv_write_fence).
-    _worker.written = cuda_event_of(getattr(chunk, "wait_event", None))
+    transfer_chunk.begin(manager, chunk)
+    kv_digest_send.begin_chunk(manager, chunk)
 
 
 def end_chunk() -> None:
     """Give back the pack slot of this thread's previous chunk, whatever its sends did."""
-    packs = getattr(_worker, "packs", None)
-    _worker.manager = _worker.chunk = _worker.packs = None
-    _worker.written = ()
+    packs = getattr(_packs, "value", None)
+    _packs.value = None
+    manager = transfer_chunk.chunk_manager()
+    if manager is not None:
+        kv_digest_send.end_chunk(manager)
+    transfer_chunk.end()
     if packs is not None:
         packs.release()
 
 
 def _current_room(self) -> Optional[int]:
-    chunk = getattr(_worker, "chunk", None)
-    if chunk is None or getattr(_worker, "manager", None) is not self:
-        return None
-    return chunk.room
+    return transfer_chunk.room_of(self)
 
 
 class _ChunkQueue:
@@ -423,10 +425,10 @@ def _packed_slice_of(self, session: str) -> Optional[HeadSlice]:
 
 def _chunk_packs(self, staging) -> Optional[ChunkPacks]:
     """The packs of the chunk this worker thread is sending, or None outside a worker chunk."""
-    chunk = getattr(_worker, "chunk", None)
-    if chunk is None or getattr(_worker, "manager", None) is not self:
+    chunk = transfer_chunk.chunk_of(self)
+    if chunk is None:
         return None
-    packs = _worker.packs
+    packs = getattr(_packs, "value", None)
     if packs is None:
         infos = (getattr(self, "transfer_infos", None) or {}).get(chunk.room) or {}
         readers = readers_by_slice(
@@ -434,9 +436,10 @@ def _chunk_packs(self, staging) -> Optional[ChunkPacks]:
             for session, info in infos.items()
             if not getattr(info, "is_dummy", False)
         )
-        packs = _worker.packs = ChunkPacks(
-            staging.buffer, staging.prepared, readers, self.kv_args.page_size, _worker.written
-        )
+        packs = _packs.value = ChunkPacks(
+            staging.buffer, staging.prepared, readers, self.kv_args.page_size,
+            transfer_chunk.written(),
+        )  # fmt: skip
     return packs
 
 
@@ -566,18 +569,19 @@ def send_kvcache_around(
     dst_attn_tp_size=None,
 ):
     def stock(manager):
-        return original(
-            manager,
-            mooncake_session_id,
-            prefill_kv_indices,
-            dst_kv_ptrs,
-            dst_kv_indices,
-            executor,
-            dst_layer_ids=dst_layer_ids,
-            dst_device_kv_indices=dst_device_kv_indices,
-            dst_kv_item_len=dst_kv_item_len,
-            dst_attn_tp_size=dst_attn_tp_size,
-        )
+        with kv_digest_send.scope(self, mooncake_session_id, executor) as scoped:
+            return original(
+                manager,
+                mooncake_session_id,
+                prefill_kv_indices,
+                dst_kv_ptrs,
+                dst_kv_indices,
+                scoped,
+                dst_layer_ids=dst_layer_ids,
+                dst_device_kv_indices=dst_device_kv_indices,
+                dst_kv_item_len=dst_kv_item_len,
+                dst_attn_tp_size=dst_attn_tp_size,
+            )
 
     def send_all(send: Optional[DraftSend]) -> int:
         if send is None:
@@ -607,18 +611,19 @@ def send_kvcache_slice_around(
     dst_layer_ids=None,
 ):
     def stock(manager, dst_ptrs, dst_ids):
-        return original(
-            manager,
-            mooncake_session_id,
-            prefill_kv_indices,
-            dst_ptrs,
-            dst_kv_indices,
-            dst_tp_rank,
-            dst_attn_tp_size,
-            dst_kv_item_len,
-            executor,
-            dst_ids,
-        )
+        with kv_digest_send.scope(self, mooncake_session_id, executor) as scoped:
+            return original(
+                manager,
+                mooncake_session_id,
+                prefill_kv_indices,
+                dst_ptrs,
+                dst_kv_indices,
+                dst_tp_rank,
+                dst_attn_tp_size,
+                dst_kv_item_len,
+                scoped,
+                dst_ids,
+            )
 
     def send_all(send: Optional[DraftSend]) -> int:
         if send is None:
@@ -658,6 +663,11 @@ def _send_draft_entries(self, send: DraftSend, session, src_pages, dst_pages) ->
     dst_pages = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
     if src_pages.size != dst_pages.size:
         raise _LocalFailure(f"{src_pages.size} prefill pages for {dst_pages.size} decode pages")
+    if kv_digest_send.digest_of(self) is not None:
+        send.check_pages(src_pages)  # the digest reads the pool at these pages
+        registration = self.decode_kv_args_table.get(session)
+        kv_digest_send.add_blocks(self, _current_room(self), session, registration,
+                                  _digest_blocks(send, src_pages, dst_pages))  # fmt: skip
     pair, staging = send.plan.pair, send.staging
     packing = send.regime is Regime.PACK_SOURCE and staging is not None
     packs = _chunk_packs(self, staging) if packing else None
@@ -687,6 +697,18 @@ def _send_draft_entries(self, send: DraftSend, session, src_pages, dst_pages) ->
         if ret != 0:
             return ret
     return 0
+
+
+def _digest_blocks(send: DraftSend, src_pages, dst_pages):
+    """The KV digest's blocks of this send: the pool rows the plan writes, at their decode slots."""
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks
+
+    return Blocks.concat(
+        [
+            digest_blocks(send.plan.pair, e.component, int(sb), e.dst_index, src_pages, dst_pages)
+            for e, sb in zip(send.plan.entries, send.src_bases)
+        ]
+    )
 
 
 def _pool_descriptors(send: DraftSend, src_pages, dst_pages, build) -> Descriptors:
@@ -741,7 +763,7 @@ def _send_packed(self, send: DraftSend, staging, session, src_pages, dst_pages) 
             (send.head_slice,),
             staging.prepared,
             pack_source_rows(send.plan.pair, src_pages),
-            getattr(_worker, "written", ()),
+            transfer_chunk.written(),
         )
         runs = dst_page_runs(dst_pages)
         bases = slot.ptr + np.asarray(slabs, dtype=np.int64)

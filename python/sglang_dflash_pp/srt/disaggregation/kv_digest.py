@@ -1,0 +1,373 @@
+"""A KV digest that composes across senders and layouts: what makes a PD transfer checkable when
+prefill and decode hold different shares of it (another TP width, PP stages, head slices).
+
+Stock's ``--disaggregation-enable-kv-checksum`` digests a prefill rank's whole KV range and
+compares it with the decode's only when both sides have the same layout signature; a PP stage or
+another TP width is admitted unverified. Here every 4-byte word a decode rank ends up holding is
+a term of a sum, and the term depends only on the word and on **where it sits on that decode
+rank**: the decode buffer (a KV entry or a state component, by its index in the decode's own
+registration, which every sender addresses) and the word's byte offset in that buffer. A term
+does not depend on who wrote it, so each sender adds up the terms of the words it writes to a
+decode rank, the decode adds the senders' sums per buffer, and compares them with the sum over
+its own bytes of the request. Every decode byte has exactly one writer (stock's rank mapping and
+the draft plan's writer election), so the sums meet exactly when every byte arrived intact at
+the right place; addition mod 2**64 needs no order, no collective and no coordination between
+senders.
+
+The term of word ``w`` at word offset ``o`` of buffer key ``k`` (all uint32 arithmetic)::
+
+    base = fmix32(k + (o >> 32) * 0x27D4EB2F)
+    c1   = base + (o & 0xFFFFFFFF) * 0x9E3779B1
+    lo   = fmix32(w ^ c1)
+    hi   = fmix32(w ^ ((c1 ^ 0x5BD1E995) * 0xCC9E2D51))
+    term = lo + hi * 2**32            (summed mod 2**64)
+
+``fmix32`` (murmur3's finaliser) is a bijection, so a single changed word changes its term's
+low half and hence the sum: **one flipped byte is always detected**. A word written to the wrong
+place contributes a term with other coordinates, which misses the decode's sum with probability
+about 2**-64 per disagreeing buffer.
+
+Blocks, the unit of work: ``(src address, dst offset, bytes per row, rows, src row stride, dst
+row stride, slot)``: ``rows`` runs of ``bytes per row`` bytes read at ``src + r * src stride``,
+landing at decode offset ``dst offset + r * dst stride`` of the buffer ``slot`` names. A stock
+Mooncake descriptor is one row; a head slice of a page is ``page_size`` strided rows. The GPU
+kernel (``kv_digest_triton``) and the host reference here take the same table.
+
+Stdlib and numpy only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import struct
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, NamedTuple, Sequence, Tuple
+
+import numpy as np
+
+M32 = 0xFFFFFFFF
+OH_MUL = 0x27D4EB2F
+OL_MUL = 0x9E3779B1
+C2_XOR = 0x5BD1E995
+C2_MUL = 0xCC9E2D51
+FMIX_1 = 0x85EBCA6B
+FMIX_2 = 0xC2B2AE35
+WORD = 4
+
+
+class BufferKind(enum.IntEnum):
+    """What a decode buffer index counts: ``kv_args.kv_data_ptrs`` or the flattened
+    ``kv_args.state_data_ptrs`` of the decode's registration."""
+
+    KV = 1
+    STATE = 2
+
+
+def buffer_key(kind: BufferKind, index: int) -> int:
+    """The uint32 key of one decode buffer."""
+    return int(fmix32_int((int(kind) * 0x01000193 + int(index) * 0x9E3779B1 + 0x2545F491) & M32))
+
+
+def fmix32_int(x: int) -> int:
+    x &= M32
+    x ^= x >> 16
+    x = (x * FMIX_1) & M32
+    x ^= x >> 13
+    x = (x * FMIX_2) & M32
+    x ^= x >> 16
+    return x
+
+
+def _fmix32(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(FMIX_1)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(FMIX_2)
+    return x ^ (x >> np.uint32(16))
+
+
+def word_terms(words: np.ndarray, word_offsets: np.ndarray, key: int) -> np.ndarray:
+    """The uint64 term of each word (uint32) at its word offset (uint64) in buffer ``key``."""
+    w = np.asarray(words, dtype=np.uint32)
+    o = np.asarray(word_offsets, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        oh = (o >> np.uint64(32)).astype(np.uint32)
+        ol = (o & np.uint64(M32)).astype(np.uint32)
+        base = _fmix32(np.uint32(key) + oh * np.uint32(OH_MUL))
+        c1 = base + ol * np.uint32(OL_MUL)
+        lo = _fmix32(w ^ c1)
+        hi = _fmix32(w ^ ((c1 ^ np.uint32(C2_XOR)) * np.uint32(C2_MUL)))
+    return lo.astype(np.uint64) | (hi.astype(np.uint64) << np.uint64(32))
+
+
+def wrap_sum(terms: np.ndarray) -> int:
+    """Sum mod 2**64 (numpy's uint64 sum wraps)."""
+    return int(np.sum(np.asarray(terms, dtype=np.uint64), dtype=np.uint64))
+
+
+def add64(a: int, b: int) -> int:
+    return (int(a) + int(b)) & 0xFFFFFFFFFFFFFFFF
+
+
+def digest_bytes(data, key: int, dst_offset: int = 0) -> int:
+    """Digest of contiguous bytes landing at byte ``dst_offset`` of buffer ``key``."""
+    raw = np.ascontiguousarray(np.asarray(data).reshape(-1)).view(np.uint8)
+    _check_words(dst_offset, raw.size)
+    words = raw.view(np.uint32)
+    offsets = np.arange(words.size, dtype=np.uint64) + np.uint64(dst_offset // WORD)
+    return wrap_sum(word_terms(words, offsets, key))
+
+
+def _check_words(*values: int) -> None:
+    for v in values:
+        if int(v) % WORD:
+            raise ValueError(f"KV digest works in {WORD}-byte words; got an offset or length {v}")
+
+
+# -- blocks ---------------------------------------------------------------------------------
+
+
+class Blocks(NamedTuple):
+    """A digest's work as parallel int64 arrays (module docstring)."""
+
+    src: np.ndarray
+    dst: np.ndarray  # byte offset in the decode buffer
+    nbytes: np.ndarray  # per row
+    rows: np.ndarray
+    src_stride: np.ndarray
+    dst_stride: np.ndarray
+    slot: np.ndarray  # index into the digest's key table
+
+    @classmethod
+    def empty(cls) -> "Blocks":
+        z = np.zeros(0, dtype=np.int64)
+        return cls(*(z for _ in cls._fields))
+
+    @classmethod
+    def of(cls, src, dst, nbytes, slot, rows=1, src_stride=0, dst_stride=0) -> "Blocks":
+        src = np.asarray(src, dtype=np.int64).reshape(-1)
+        n = src.size
+
+        def col(v):
+            return np.broadcast_to(np.asarray(v, dtype=np.int64).reshape(-1), (n,)).copy()
+
+        return cls(src, col(dst), col(nbytes), col(rows), col(src_stride), col(dst_stride),
+                   col(slot))  # fmt: skip
+
+    @classmethod
+    def concat(cls, parts: Sequence["Blocks"]) -> "Blocks":
+        parts = [p for p in parts if p.src.size]
+        if not parts:
+            return cls.empty()
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls._fields))
+
+    @property
+    def count(self) -> int:
+        return int(self.src.size)
+
+    @property
+    def total_bytes(self) -> int:
+        return int((self.nbytes * self.rows).sum())
+
+    def table(self) -> np.ndarray:
+        """``[n, 7]`` int64, the kernel's input."""
+        return np.stack(list(self), axis=1) if self.count else np.zeros((0, 7), np.int64)
+
+    def check_words(self) -> None:
+        for name in ("src", "dst", "nbytes", "src_stride", "dst_stride"):
+            bad = getattr(self, name) % WORD
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ValueError(
+                    f"KV digest works in {WORD}-byte words; block {i} has {name} "
+                    f"{int(getattr(self, name)[i])}"
+                )
+
+
+class BufferTable:
+    """The decode buffers of one registration as digest slots: sorted bases, for resolving a
+    descriptor's destination address to (slot, offset)."""
+
+    def __init__(self, kind: BufferKind, bases: Sequence[int], first_slot: int = 0):
+        self.kind = kind
+        self.bases = np.asarray([int(b) for b in bases], dtype=np.int64)
+        self.first_slot = first_slot
+        self._order = np.argsort(self.bases, kind="stable")
+        self._sorted = self.bases[self._order]
+
+    def __len__(self) -> int:
+        return int(self.bases.size)
+
+    def keys(self) -> List[int]:
+        return [buffer_key(self.kind, i) for i in range(len(self))]
+
+    def resolve(self, dst_addresses) -> Tuple[np.ndarray, np.ndarray]:
+        """(buffer index, byte offset) of each destination address: the buffer with the
+        greatest base at or below it (registered buffers do not interleave)."""
+        dst = np.asarray(dst_addresses, dtype=np.int64).reshape(-1)
+        pos = np.searchsorted(self._sorted, dst, side="right") - 1
+        if dst.size and (pos < 0).any():
+            raise ValueError("a descriptor's destination lies below every decode buffer")
+        index = self._order[pos]
+        return index, dst - self.bases[index]
+
+    def blocks(self, src, dst, length) -> Blocks:
+        index, offset = self.resolve(dst)
+        return Blocks.of(src, offset, length, index + self.first_slot)
+
+
+# -- the host reference ---------------------------------------------------------------------
+
+
+def read_memory(address: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` of host memory at ``address`` (a CPU tensor's ``data_ptr()``), as uint8."""
+    if nbytes == 0:
+        return np.zeros(0, dtype=np.uint8)
+    buf = (ctypes.c_char * int(nbytes)).from_address(int(address))
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def digest_blocks_host(blocks: Blocks, keys: Sequence[int], reader=read_memory) -> np.ndarray:
+    """Per-slot sums (uint64) of ``blocks`` over host memory: the CPU path and the GPU kernel's
+    reference. One numpy pass per block row group; CPU servers move small tensors."""
+    blocks.check_words()
+    out = np.zeros(len(keys), dtype=np.uint64)
+    for src, dst, nbytes, rows, ss, ds, slot in zip(*(a.tolist() for a in blocks)):
+        if nbytes == 0 or rows == 0:
+            continue
+        r = np.arange(rows, dtype=np.int64)
+        if rows == 1 or ss == nbytes:
+            words = reader(src, nbytes * rows).view(np.uint32).reshape(rows, nbytes // WORD)
+        else:
+            span = (rows - 1) * ss + nbytes
+            raw = reader(src, span)
+            idx = (r[:, None] * ss + np.arange(nbytes, dtype=np.int64)[None, :]).reshape(-1)
+            words = raw[idx].view(np.uint32).reshape(rows, nbytes // WORD)
+        offsets = (dst + r * ds)[:, None] // WORD + np.arange(nbytes // WORD, dtype=np.int64)
+        terms = word_terms(words.reshape(-1), offsets.reshape(-1).astype(np.uint64), keys[slot])
+        out[slot] = np.uint64(add64(int(out[slot]), wrap_sum(terms)))
+    return out
+
+
+# -- contributions and their comparison -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sender:
+    """One prefill rank, as the decode names it."""
+
+    pp_rank: int
+    tp_rank: int
+    rank_id: int  # sglang's per-sender id (``_prefill_unique_rank``), what the decode counts
+
+    def describe(self) -> str:
+        return f"prefill pp rank {self.pp_rank} / attention TP rank {self.tp_rank}"
+
+
+@dataclass
+class Contribution:
+    """What one sender wrote to one decode rank for one room: per decode buffer, the sum of its
+    words' terms."""
+
+    room: int
+    sender: Sender
+    sums: Dict[Tuple[int, int], int] = field(default_factory=dict)  # (kind, index) -> uint64
+
+    def add(self, kind: BufferKind, index: int, value: int) -> None:
+        k = (int(kind), int(index))
+        self.sums[k] = add64(self.sums.get(k, 0), value)
+
+    def add_slots(self, tables: Iterable[BufferTable], sums: np.ndarray) -> None:
+        """Add a digest's per-slot sums; a slot no block touched is skipped."""
+        for table in tables:
+            for i in range(len(table)):
+                value = int(sums[table.first_slot + i])
+                if value:
+                    self.add(table.kind, i, value)
+
+
+MESSAGE_TAG = b"DFLASH_KV_DIGEST"
+_HEADER = struct.Struct(">QqqqI")  # room, pp rank, tp rank, rank id, entry count
+_ENTRY = struct.Struct(">BIQ")  # kind, index, sum
+
+
+def encode(c: Contribution) -> List[bytes]:
+    """The ZMQ frames of one contribution (sent to the decode rank's endpoint, ahead of the
+    sender's transfer status on the same socket, so it is there when the room completes)."""
+    body = b"".join(_ENTRY.pack(k, i, v) for (k, i), v in sorted(c.sums.items()))
+    s = c.sender
+    return [MESSAGE_TAG, _HEADER.pack(c.room, s.pp_rank, s.tp_rank, s.rank_id, len(c.sums)), body]
+
+
+def decode(frames: Sequence[bytes]) -> Contribution:
+    if len(frames) != 3 or frames[0] != MESSAGE_TAG:
+        raise ValueError("not a KV digest message")
+    room, pp, tp, rank_id, n = _HEADER.unpack(frames[1])
+    if len(frames[2]) != n * _ENTRY.size:
+        raise ValueError(f"KV digest message of room {room}: {n} entries, {len(frames[2])} B")
+    c = Contribution(room, Sender(pp, tp, rank_id))
+    for k, i, v in _ENTRY.iter_unpack(frames[2]):
+        c.sums[(k, i)] = v
+    return c
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    kind: BufferKind
+    index: int
+    expected: int
+    actual: int
+    senders: Tuple[Sender, ...]  # those that wrote into this buffer
+
+
+def compare(actual: Dict[Tuple[int, int], int], contributions: Sequence[Contribution]) -> List[Mismatch]:
+    """Every decode buffer whose own sum differs from its senders' sums added up."""
+    expected: Dict[Tuple[int, int], int] = {}
+    writers: Dict[Tuple[int, int], List[Sender]] = {}
+    for c in contributions:
+        for k, v in c.sums.items():
+            expected[k] = add64(expected.get(k, 0), v)
+            writers.setdefault(k, []).append(c.sender)
+    out = []
+    for k in sorted(set(expected) | set(actual)):
+        e, a = expected.get(k, 0), actual.get(k, 0)
+        if e != a:
+            out.append(Mismatch(BufferKind(k[0]), k[1], e, a, tuple(writers.get(k, ()))))
+    return out
+
+
+def describe_senders(senders: Sequence[Sender]) -> str:
+    if not senders:
+        return "no sender wrote it"
+    return "written by " + ", ".join(s.describe() for s in senders)
+
+
+def slots_of(tables: Sequence[BufferTable]) -> List[int]:
+    keys: List[int] = []
+    for t in tables:
+        if t.first_slot != len(keys):
+            raise ValueError("buffer tables must take consecutive slots")
+        keys.extend(t.keys())
+    return keys
+
+
+def as_sums(tables: Sequence[BufferTable], sums: np.ndarray) -> Dict[Tuple[int, int], int]:
+    """Per-slot sums as ``(kind, index) -> sum`` (every buffer, touched or not)."""
+    out = {}
+    for t in tables:
+        for i in range(len(t)):
+            out[(int(t.kind), i)] = int(sums[t.first_slot + i])
+    return out
+
+
+def page_blocks(bases: Sequence[int], item_lens: Sequence[int], pages, slot0: int = 0) -> Blocks:
+    """Whole pages (or state slots) ``pages`` of each buffer ``i`` (base, bytes per page),
+    landing at the same offsets: what a decode rank holds of a request."""
+    p = np.asarray(pages, dtype=np.int64).reshape(-1)
+    parts = []
+    for i, (base, item) in enumerate(zip(bases, item_lens)):
+        if item == 0 or p.size == 0:
+            continue
+        parts.append(Blocks.of(int(base) + p * int(item), p * int(item), int(item), slot0 + i))
+    return Blocks.concat(parts)

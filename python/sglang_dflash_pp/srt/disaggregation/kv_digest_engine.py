@@ -1,0 +1,53 @@
+"""Where a rank computes KV digests (``kv_digest``): the GPU kernel on a CUDA pool, numpy over
+host memory on a CPU pool. Built at startup, with everything the GPU path needs preallocated
+and its kernel compiled, so no digest allocates, compiles or captures while serving.
+
+One engine per KV manager; its calls are serialised by a lock (sglang's transfer workers run in
+several threads, and a digest is a few microseconds of kernel on the GPU path).
+
+No sglang import.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks, digest_blocks_host
+
+MAX_BLOCKS_ENV = "SGLANG_DFLASH_KV_DIGEST_MAX_BLOCKS"
+MAX_SLOTS = 8192  # decode buffers one digest can name: KV entries + state components
+DEFAULT_MAX_BLOCKS = 65536  # per kernel launch; more are digested in pieces
+
+
+class DigestEngine:
+    def __init__(self, device, max_blocks: int = 0, max_slots: int = MAX_SLOTS):
+        import torch
+
+        self.device = torch.device(device)
+        self._lock = threading.Lock()
+        self._gpu = None
+        if self.device.type == "cuda":
+            from sglang_dflash_pp.srt.disaggregation.kv_digest_triton import DeviceDigest
+
+            blocks = max_blocks or int(os.environ.get(MAX_BLOCKS_ENV, DEFAULT_MAX_BLOCKS))
+            self._gpu = DeviceDigest(self.device, blocks, max_slots)
+            self._gpu.warm()
+
+    @property
+    def on_gpu(self) -> bool:
+        return self._gpu is not None
+
+    def digest(self, blocks: Blocks, keys: Sequence[int], wait_events=()) -> np.ndarray:
+        """Per-slot sums (uint64) of ``blocks``; ``wait_events`` are the CUDA events after which
+        the source bytes are written (the chunk's KV-write events, ``kv_write_fence``)."""
+        with self._lock:
+            if self._gpu is not None:
+                return self._gpu.digest(blocks, keys, wait_events=wait_events)
+            return digest_blocks_host(blocks, keys)
+
+    def describe(self) -> str:
+        return "Triton kernel on " + str(self.device) if self._gpu is not None else "host (numpy)"

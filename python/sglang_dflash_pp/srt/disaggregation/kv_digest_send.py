@@ -1,0 +1,446 @@
+"""The sending half of the composed KV digest (``kv_digest``) on a Mooncake PD prefill rank, with
+``--disaggregation-enable-kv-checksum`` (sglang 0.5.23).
+
+Each prefill rank adds up, per decode rank and per room, the digest terms of every word it
+writes there: the target KV entries and the KDA / Mamba state as sglang's own send path moves
+them, the DFlash draft entries as the draft plan writes them (read from the pool, not from a
+pack slab). Before the room's aux data of a decode rank, the last thing sent to it, the rank's
+sums go to the decode as one small ZMQ message on the socket the transfer status follows, so a
+decode that sees the room complete holds every sender's contribution. The decode side is
+``kv_digest_verify``.
+
+Hooks (``sglang/srt/disaggregation/``):
+
+* AFTER ``prefill.PrefillBootstrapQueue.__init__``: on a DFLASH Mooncake prefill with the
+  checksum flag, build the digest engine (``kv_digest_engine``: kernel compiled, buffers
+  allocated, before serving) and turn off stock's whole-request digest on this prefill
+  (``scheduler.kv_checksum_computer = None``): it digests this rank's own KV range, which a
+  decode can compare only at the same TP width and without PP, and the composed digest covers
+  that layout too.
+* AROUND ``sglang/srt/distributed/device_communicators/mooncake_transfer_engine.py``
+  ``MooncakeTransferEngine.batch_transfer_sync``, where every send path's descriptors meet (some
+  call it directly, e.g. ``send_kvcache_slice``): inside a digest scope (a stock send
+  ``mooncake_draft_kv`` makes for one decode rank, or the state send below), the descriptors
+  sglang built are digested on their way to the engine, their destinations resolved against the
+  decode's registered buffers.
+* AROUND ``MooncakeKVManager.maybe_send_extra``: the room's state send, in a scope.
+* AROUND ``MooncakeKVManager.send_aux``: the decode rank's contribution, then the aux data.
+
+A failure of the digest itself is this rank's (never the decode's): the room fails with the
+reason and the session stays healthy, as for the draft KV send.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from sglang_dflash_pp.hooks import PluginHook, is_applied
+from sglang_dflash_pp.srt.disaggregation import transfer_chunk
+from sglang_dflash_pp.srt.disaggregation.kv_digest import (
+    Blocks,
+    BufferKind,
+    BufferTable,
+    Contribution,
+    Sender,
+    encode,
+    slots_of,
+)
+
+logger = logging.getLogger(__name__)
+
+_ENGINE_ATTR = "_dflash_kv_digest"  # on the KV manager: the SendDigest, when on
+_TABLES_ATTR = "_dflash_kv_digest_tables"  # on a decode's KVArgsRegisterInfo
+_scope = threading.local()
+
+
+class SendDigest:
+    """One prefill rank's digest state: its engine, its name, the rooms' running sums."""
+
+    def __init__(self, engine, sender: Sender):
+        self.engine = engine
+        self.sender = sender
+        self._lock = threading.Lock()
+        self._sums: Dict[Tuple[int, str], Contribution] = {}
+
+    def contribution(self, room: int, session: str) -> Contribution:
+        with self._lock:
+            c = self._sums.get((room, session))
+            if c is None:
+                c = self._sums[(room, session)] = Contribution(int(room), self.sender)
+            return c
+
+    def add(self, room: int, session: str, tables, sums: np.ndarray) -> None:
+        c = self.contribution(room, session)
+        with self._lock:
+            c.add_slots(tables, sums)
+
+    def pop(self, room: int, session: str) -> Contribution:
+        with self._lock:
+            return self._sums.pop((room, session), None) or Contribution(int(room), self.sender)
+
+    def forget_room(self, room: int) -> None:
+        with self._lock:
+            for key in [k for k in self._sums if k[0] == room]:
+                del self._sums[key]
+
+
+def digest_of(manager) -> Optional[SendDigest]:
+    return getattr(manager, _ENGINE_ATTR, None)
+
+
+def _tables_and_keys(registration):
+    cached = getattr(registration, _TABLES_ATTR, None)
+    if cached is None:
+        kv = BufferTable(BufferKind.KV, list(registration.dst_kv_ptrs))
+        flat = [p for ptrs in (registration.dst_state_data_ptrs or []) for p in ptrs]
+        tables = (kv, BufferTable(BufferKind.STATE, flat, first_slot=len(kv)))
+        cached = (tables, slots_of(tables))
+        setattr(registration, _TABLES_ATTR, cached)
+    return cached
+
+
+def tables_of(registration) -> Tuple[BufferTable, BufferTable]:
+    """(KV entries, state components) of a decode registration as digest slots, made once (at
+    the registration's first digested send; the send path does not rebuild them)."""
+    return _tables_and_keys(registration)[0]
+
+
+def _fail(manager, room: int, session: str, error: BaseException) -> None:
+    logger.error("KV digest of room %s for decode %s failed on this prefill: %r", room, session,
+                 error, exc_info=True)  # fmt: skip
+    manager.conclude_failure(
+        bootstrap_room=room,
+        failure_reason=(
+            f"KV digest of room {room} for decode {session} failed on prefill rank "
+            f"{getattr(manager, 'attn_tp_rank', '?')} (pp rank {getattr(manager, 'pp_rank', '?')}): "
+            f"{error}"
+        ),
+    )
+
+
+class _Pending:
+    """This worker thread's blocks not digested yet: everything its current chunk sent, to all
+    of the chunk's decode ranks, digested in one kernel launch (one call per decode rank and
+    send costs several times the kernel on an H200: ``benchmark/gpu/results``)."""
+
+    def __init__(self):
+        self.manager = None
+        self.parts: List[Tuple[int, str, object, Blocks]] = []  # room, session, registration
+        self.written: Tuple = ()
+        self.aux: Dict[int, List[object]] = {}  # room -> the TransferInfos its aux went to
+        self.lock = threading.Lock()  # sglang's executor threads queue into their worker's
+
+    def queue(self, manager, room: int, session: str, registration, blocks: Blocks, written):
+        with self.lock:
+            if self.manager is not None and self.manager is not manager:
+                raise RuntimeError("one transfer worker digesting for two KV managers")
+            self.manager = manager
+            self.written = written or self.written
+            self.parts.append((int(room), session, registration, blocks))
+
+    def take(self):
+        with self.lock:
+            parts, self.parts = self.parts, []
+            written, self.written, self.manager = self.written, (), None
+            return parts, written
+
+
+def _pending() -> _Pending:
+    p = getattr(_scope, "pending", None)
+    if p is None:
+        p = _scope.pending = _Pending()
+    return p
+
+
+def add_blocks(manager, room: Optional[int], session: str, registration, blocks: Blocks) -> None:
+    """Queue ``blocks`` (destinations already as decode offsets and slots of the registration's
+    tables) for the room's sums of ``session``; digested at the chunk's end or before the room's
+    status goes out (:func:`flush`)."""
+    if digest_of(manager) is None or room is None or not blocks.count:
+        return
+    _pending().queue(manager, room, session, registration, blocks, transfer_chunk.written())
+
+
+def flush(manager) -> None:
+    """Digest every queued block of this worker thread in one call and add the sums to their
+    rooms."""
+    digest = digest_of(manager)
+    parts, written = _pending().take()
+    if digest is None or not parts:
+        return
+    slot_base: Dict[Tuple[int, str], int] = {}
+    keys: List[int] = []
+    layout = []
+    for room, session, registration, blocks in parts:
+        key = (room, session)
+        if key not in slot_base:
+            tables, reg_keys = _tables_and_keys(registration)
+            slot_base[key] = len(keys)
+            keys.extend(reg_keys)
+            layout.append((key, tables))
+    shifted = [b._replace(slot=b.slot + slot_base[(room, session)])
+               for room, session, _, b in parts]  # fmt: skip
+    try:
+        sums = digest.engine.digest(Blocks.concat(shifted), keys, wait_events=written)
+    except Exception as e:
+        for room, session in {(r, s) for r, s, _, _ in parts}:
+            _fail(manager, room, session, e)
+        return
+    for (room, session), tables in layout:
+        base = slot_base[(room, session)]
+        n = sum(len(t) for t in tables)
+        digest.add(room, session, tables, sums[base : base + n])
+
+
+def end_chunk(manager) -> None:
+    """The worker is done with its chunk: digest what it sent."""
+    p = getattr(_scope, "pending", None)
+    if p is not None:
+        if p.parts:
+            flush(p.manager or manager)
+        p.aux.clear()
+
+
+class _Scope:
+    """The stock send to one decode rank whose descriptors are being digested."""
+
+    def __init__(self, manager, room: int, session: str, registration, kind: BufferKind):
+        self.manager, self.room, self.session = manager, room, session
+        self.registration, self.kind = registration, kind
+        # Made on the worker thread: what the executor threads it hands sends to digest is
+        # queued for that worker's flush, with that worker's chunk's KV-write events.
+        self.pending, self.written = _pending(), transfer_chunk.written()
+
+    def add(self, src, dst, length) -> None:
+        kv, state = tables_of(self.registration)
+        table = kv if self.kind is BufferKind.KV else state
+        try:
+            blocks = table.blocks(np.asarray(src, np.int64), np.asarray(dst, np.int64),
+                                  np.asarray(length, np.int64))  # fmt: skip
+        except Exception as e:
+            _fail(self.manager, self.room, self.session, e)
+            return
+        if blocks.count:
+            self.pending.queue(self.manager, self.room, self.session, self.registration, blocks,
+                               self.written)  # fmt: skip
+
+
+class _ScopedExecutor:
+    """sglang's transfer executor, carrying the digest scope into the threads it runs the
+    per-layer sends on (its custom-memory-pool path)."""
+
+    def __init__(self, executor, scope: _Scope):
+        self._executor, self._scope = executor, scope
+
+    def submit(self, fn, *args, **kwargs):
+        scope = self._scope
+
+        def run():
+            _scope.value = scope
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _scope.value = None
+
+        return self._executor.submit(run)
+
+    def __getattr__(self, name):
+        return getattr(self._executor, name)
+
+
+@contextmanager
+def scope(manager, session: str, executor, kind: BufferKind = BufferKind.KV):
+    """Digest what sglang's send path inside sends to ``session``; yields the executor to pass
+    it. Outside a worker chunk, or with the digest off, nothing is digested."""
+    digest = digest_of(manager)
+    room = transfer_chunk.room_of(manager)
+    registration = (getattr(manager, "decode_kv_args_table", None) or {}).get(session)
+    if digest is None or room is None or registration is None:
+        yield executor
+        return
+    current = _Scope(manager, room, session, registration, kind)
+    previous = getattr(_scope, "value", None)
+    _scope.value = current
+    try:
+        yield _ScopedExecutor(executor, current) if executor is not None else executor
+    finally:
+        _scope.value = previous
+
+
+def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_addresses,
+                               lengths, *args, **kwargs):  # fmt: skip
+    current = getattr(_scope, "value", None)
+    if (
+        current is not None
+        and getattr(current.manager, "engine", None) is self
+        and current.session == session_id
+        and len(buffers)
+    ):
+        current.add(buffers, peer_buffer_addresses, lengths)
+    return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
+
+
+def maybe_send_extra_around(original, self, req, prefill_state_indices, executor, *args, **kwargs):
+    if digest_of(self) is None or getattr(req, "is_dummy", False):
+        return original(self, req, prefill_state_indices, executor, *args, **kwargs)
+    with scope(self, req.mooncake_session_id, executor, BufferKind.STATE) as scoped:
+        return original(self, req, prefill_state_indices, scoped, *args, **kwargs)
+
+
+def send_aux_around(original, self, req, *args, **kwargs):
+    """sglang sends the room's status to its decode ranks once the last of them got its aux
+    data; just before that last aux, the chunk's blocks are digested (one call) and every decode
+    rank of the room gets its sums."""
+    digest = digest_of(self)
+    if digest is None or getattr(req, "is_dummy", False):
+        return original(self, req, *args, **kwargs)
+    room = int(req.room)
+    done = _pending().aux.setdefault(room, [])
+    done.append(req)
+    if len(done) >= int(getattr(req, "required_dst_info_num", 1) or 1):
+        _pending().aux.pop(room, None)
+        flush(self)
+        for r in done:
+            try:
+                _send_contribution(self, digest.pop(room, r.mooncake_session_id), r)
+            except Exception as e:
+                _fail(self, room, r.mooncake_session_id, e)
+    return original(self, req, *args, **kwargs)
+
+
+def _send_contribution(manager, contribution: Contribution, req) -> None:
+    from sglang.srt.utils.network import NetworkAddress
+
+    na = NetworkAddress(req.endpoint, req.dst_port)
+    manager._send_multipart_locked(na.to_tcp(), encode(contribution), is_ipv6=na.is_ipv6)
+
+
+def begin_chunk(manager, chunk) -> None:
+    """A worker takes ``chunk``: sums of a room that already failed are dropped."""
+    digest = digest_of(manager)
+    if digest is None or chunk is None:
+        return
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    status = getattr(manager, "request_status", {}).get(chunk.room, KVPoll.Failed)
+    if status == KVPoll.Failed:
+        digest.forget_room(chunk.room)
+
+
+# -- startup ---------------------------------------------------------------------------------
+
+
+def _is_dflash(scheduler) -> bool:
+    algorithm = getattr(scheduler, "spec_algorithm", None)
+    return algorithm is not None and bool(getattr(algorithm, "is_dflash", lambda: False)())
+
+
+def unsupported_state(kv_args) -> Optional[str]:
+    """Why this rank's state cannot be digested (only Mamba / KDA state is), or None."""
+    names = [getattr(st, "name", str(st)) for st in getattr(kv_args, "state_types", []) or []]
+    other = [n for n in names if n != "MAMBA"]
+    if other:
+        return (
+            f"the composed KV digest covers KV entries and Mamba/KDA state; this pool also "
+            f"transfers {', '.join(other)} state. Run without --disaggregation-enable-kv-checksum."
+        )
+    return None
+
+
+def prefill_queue_init_after(result, self, *args, **kwargs):
+    from sglang.srt.runtime_context import get_disagg
+
+    scheduler = getattr(self, "scheduler", None)
+    manager = getattr(self, "kv_manager", None)
+    backend = getattr(self, "transfer_backend", None)
+    if not (
+        get_disagg().disaggregation_enable_kv_checksum
+        and _is_dflash(scheduler)
+        and str(getattr(backend, "name", backend)).upper() == "MOONCAKE"
+        and manager is not None
+    ):
+        return None
+    require_hooks()
+    reason = unsupported_state(manager.kv_args)
+    if reason is not None:
+        raise RuntimeError(reason)
+    from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
+
+    device = getattr(self.token_to_kv_pool, "device", "cpu")
+    engine = DigestEngine(device)
+    sender = Sender(int(manager.pp_rank), int(manager.attn_tp_rank),
+                    int(manager._prefill_unique_rank()))  # fmt: skip
+    setattr(manager, _ENGINE_ATTR, SendDigest(engine, sender))
+    scheduler.kv_checksum_computer = None
+    logger.info(
+        "KV checksum: composed digest on %s (%s); stock's same-layout digest is off on this "
+        "prefill, the decode verifies every layout",
+        sender.describe(),
+        engine.describe(),
+    )
+    return None
+
+
+def peer_refusal(manager, registration) -> Optional[str]:
+    """Why this decode's transfers cannot be digested here, or None: the send paths whose
+    descriptors the digest does not see (DCP relayout packs on the prefill, the staging copy)."""
+    if digest_of(manager) is None:
+        return None
+    staged = bool(getattr(manager, "enable_staging", False)) and (
+        getattr(registration, "staging_base_ptr", 0) or getattr(registration, "staging_total_size", 0)
+    )
+    if getattr(registration, "requires_dcp_relayout", False) or staged:
+        path = "DCP relayout" if getattr(registration, "requires_dcp_relayout", False) else (
+            "SGLANG_DISAGG_STAGING_BUFFER")
+        return (
+            f"--disaggregation-enable-kv-checksum cannot verify transfers through {path} (the "
+            "composed KV digest does not see them); run this decode without it, or without the "
+            "checksum flag on both servers"
+        )
+    return None
+
+
+def require_hooks() -> None:
+    missing = [h for h in HOOKS if not is_applied(h)]
+    if missing:
+        lines = "\n".join(f"  - {h.name}: {h.why}" for h in missing)
+        raise RuntimeError(
+            "--disaggregation-enable-kv-checksum on a DFLASH Mooncake prefill needs "
+            f"sglang-dflash-pp's KV digest hooks, but {len(missing)} are not installed:\n{lines}"
+        )
+
+
+_MANAGER = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
+
+HOOKS = (
+    PluginHook(
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.__init__",
+        prefill_queue_init_after,
+        "after",
+        "KV checksum on a DFLASH Mooncake prefill: the composed digest replaces stock's",
+    ),
+    PluginHook(
+        "sglang.srt.distributed.device_communicators.mooncake_transfer_engine."
+        "MooncakeTransferEngine.batch_transfer_sync",
+        batch_transfer_sync_around,
+        "around",
+        "digest the descriptors sglang sends to a decode rank, where a digest scope is open",
+    ),
+    PluginHook(
+        f"{_MANAGER}.maybe_send_extra",
+        maybe_send_extra_around,
+        "around",
+        "digest the KDA / Mamba state sent to a decode rank",
+    ),
+    PluginHook(
+        f"{_MANAGER}.send_aux",
+        send_aux_around,
+        "around",
+        "send a decode rank this prefill rank's digest sums before its aux data and status",
+    ),
+)

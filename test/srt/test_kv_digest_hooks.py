@@ -1,0 +1,173 @@
+"""The composed KV digest's hooks stay out of the way unless the checksum is on, and its
+decode-side wait is bounded.
+
+The real paths run through real servers (``test/e2e``: every request verified, a corrupted byte
+and a missing sender's sums each fail one request); here the hook functions are called directly:
+``batch_transfer_sync_around``, ``send_aux_around`` and ``maybe_send_extra_around`` on a manager
+with no digest, ``handle_chunk_ready_around`` on one with and without an inbox, and
+``receiver_poll_around``'s wait for sums that arrived in part. The receiver and managers are
+plain stand-ins holding the few attributes the hooks read (the real ones need a bootstrapped
+PD pair; the e2e tests run those).
+"""
+
+from __future__ import annotations
+
+import types
+
+from sglang.srt.disaggregation.base.conn import KVPoll
+
+from sglang_dflash_pp.srt.disaggregation import kv_digest_send, kv_digest_verify
+from sglang_dflash_pp.srt.disaggregation.kv_digest import Contribution, Sender, encode
+
+
+def _recording():
+    calls = []
+
+    def original(*args, **kwargs):
+        calls.append((args, kwargs))
+        return 0
+
+    return original, calls
+
+
+def test_send_side_hooks_are_inert_without_the_digest():
+    manager = types.SimpleNamespace(engine=object())
+    original, calls = _recording()
+    args = ("session", [1, 2], [3, 4], [8, 8])
+    assert kv_digest_send.batch_transfer_sync_around(original, manager.engine, *args) == 0
+    assert calls == [((manager.engine,) + args, {})]
+    req = types.SimpleNamespace(room=7, mooncake_session_id="s", is_dummy=False)
+    original, calls = _recording()
+    kv_digest_send.send_aux_around(original, manager, req, 3, [10])
+    assert calls == [((manager, req, 3, [10]), {})]
+    original, calls = _recording()
+    kv_digest_send.maybe_send_extra_around(original, manager, req, [[1]], "executor")
+    assert calls == [((manager, req, [[1]], "executor"), {})]
+    with kv_digest_send.scope(manager, "s", "executor") as executor:
+        assert executor == "executor"  # no digest: the executor passes through untouched
+
+
+def test_decode_message_hook_takes_only_digest_messages():
+    original, calls = _recording()
+    plain = types.SimpleNamespace(request_status={5: KVPoll.Transferring})
+    msg = encode(Contribution(5, Sender(1, 0, 3), {(1, 0): 9}))
+    # no inbox (checksum off): every message goes to sglang's handlers, ours included
+    assert kv_digest_verify.handle_chunk_ready_around(original, plain, msg) == 0
+    assert len(calls) == 1
+    inbox = kv_digest_verify.Inbox(None, types.SimpleNamespace(
+        kv_data_ptrs=[4096], state_data_ptrs=[], kv_item_lens=[64], state_item_lens=[]), 1.0)
+    manager = types.SimpleNamespace(request_status={5: KVPoll.Transferring},
+                                    _dflash_kv_digest_inbox=inbox)
+    assert kv_digest_verify.handle_chunk_ready_around(original, manager, msg) is True
+    assert inbox.count(5) == 1 and len(calls) == 1
+    other = [b"CHUNK_READY", b"5"]
+    assert kv_digest_verify.handle_chunk_ready_around(original, manager, other) == 0
+    assert len(calls) == 2
+    # a room this decode does not hold is dropped, not kept
+    late = encode(Contribution(6, Sender(0, 0, 1), {(1, 0): 1}))
+    assert kv_digest_verify.handle_chunk_ready_around(original, manager, late) is True
+    assert inbox.count(6) == 0
+
+
+def test_partial_sums_wait_bounded_then_fail_naming_what_arrived(monkeypatch):
+    inbox = kv_digest_verify.Inbox(None, types.SimpleNamespace(
+        kv_data_ptrs=[], state_data_ptrs=[], kv_item_lens=[], state_item_lens=[]), 5.0)
+    failures = {}
+    mgr = types.SimpleNamespace(_dflash_kv_digest_inbox=inbox,
+                                record_failure=lambda room, why: failures.update({room: why}))
+    receiver = types.SimpleNamespace(kv_mgr=mgr, bootstrap_room=11,
+                                     required_prefill_response_num=2, conclude_state=None)
+    success = lambda self: KVPoll.Success  # noqa: E731
+
+    # no sums at all: a prefill that composes no digest; stock's rules
+    assert kv_digest_verify.receiver_poll_around(success, receiver) == KVPoll.Success
+    inbox.put(Contribution(11, Sender(1, 0, 4), {}))
+    now = [1000.0]
+    monkeypatch.setattr(kv_digest_verify.time, "monotonic", lambda: now[0])
+    assert kv_digest_verify.receiver_poll_around(success, receiver) == KVPoll.Transferring
+    now[0] += 4.9
+    assert kv_digest_verify.receiver_poll_around(success, receiver) == KVPoll.Transferring
+    now[0] += 0.2
+    assert kv_digest_verify.receiver_poll_around(success, receiver) == KVPoll.Failed
+    assert receiver.conclude_state == KVPoll.Failed
+    why = failures[11]
+    assert "only 1 of its 2 prefill ranks" in why and "prefill pp rank 1 / attention TP rank 0" in why
+    assert kv_digest_verify.TIMEOUT_ENV in why
+    # all sums there: the transfer's own verdict stands
+    inbox.put(Contribution(12, Sender(0, 0, 0), {}))
+    inbox.put(Contribution(12, Sender(1, 0, 4), {}))
+    receiver.bootstrap_room = 12
+    assert kv_digest_verify.receiver_poll_around(success, receiver) == KVPoll.Success
+
+
+def test_one_digest_per_chunk_and_every_rank_gets_its_sums_before_the_last_aux():
+    """A chunk sent to two decode ranks: target descriptors through the engine hook, one of them
+    from an executor thread (as ``send_kvcache_slice`` sends), draft blocks queued by the draft
+    send. Nothing is digested until the room's last aux; then one engine call, and both ranks'
+    messages go out before that aux (sglang sends the status right after it). Each rank's sums
+    equal the host reference over exactly the bytes it was sent."""
+    import concurrent.futures
+
+    import numpy as np
+
+    from sglang_dflash_pp.srt.disaggregation import transfer_chunk
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import (
+        Blocks,
+        BufferKind,
+        decode,
+        digest_blocks_host,
+        buffer_key,
+    )
+    from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
+
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, 4096, dtype=np.uint8)
+    base = src.ctypes.data
+    engine_calls = []
+
+    class CountingEngine(DigestEngine):
+        def digest(self, blocks, keys, wait_events=()):
+            engine_calls.append(blocks.count)
+            return super().digest(blocks, keys, wait_events)
+
+    sent = []
+    regs = {s: types.SimpleNamespace(dst_kv_ptrs=[1 << 40, 1 << 41], dst_state_data_ptrs=[])
+            for s in ("d0", "d1")}
+    manager = types.SimpleNamespace(
+        engine=object(), decode_kv_args_table=regs, request_status={9: KVPoll.Transferring},
+        _dflash_kv_digest=kv_digest_send.SendDigest(CountingEngine("cpu"), Sender(1, 0, 2)),
+        _send_multipart_locked=lambda endpoint, frames, is_ipv6=False: sent.append(frames),
+        conclude_failure=lambda **kw: (_ for _ in ()).throw(AssertionError(kw)))
+    original, calls = _recording()
+    transfer_chunk.begin(manager, types.SimpleNamespace(room=9, wait_event=None))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            for s in ("d0", "d1"):
+                with kv_digest_send.scope(manager, s, pool) as scoped:
+                    # entry 0 from the worker thread, entry 1 from the executor's thread
+                    kv_digest_send.batch_transfer_sync_around(
+                        original, manager.engine, s, [base], [(1 << 40) + 128], [256])
+                    scoped.submit(kv_digest_send.batch_transfer_sync_around, original,
+                                  manager.engine, s, [base + 512], [(1 << 41) + 64], [128]).result()
+                kv_digest_send.add_blocks(manager, 9, s, regs[s],
+                                          Blocks.of([base + 1024], [0], 64, 1, rows=2,
+                                                    src_stride=128, dst_stride=64))
+        assert engine_calls == [] and len(calls) == 4
+        aux = [types.SimpleNamespace(room=9, mooncake_session_id=s, is_dummy=False,
+                                     required_dst_info_num=2, endpoint="127.0.0.1", dst_port=1)
+               for s in ("d0", "d1")]
+        kv_digest_send.send_aux_around(original, manager, aux[0], 0, [])
+        assert sent == [] and engine_calls == []
+        kv_digest_send.send_aux_around(original, manager, aux[1], 0, [])
+    finally:
+        transfer_chunk.end()
+    assert len(engine_calls) == 1  # one digest for the whole chunk, both ranks
+    assert [decode(f).room for f in sent] == [9, 9] and len(calls) == 6
+    keys = [buffer_key(BufferKind.KV, i) for i in range(2)]
+    want = digest_blocks_host(Blocks.concat([
+        Blocks.of([base], [128], 256, 0), Blocks.of([base + 512], [64], 128, 1),
+        Blocks.of([base + 1024], [0], 64, 1, rows=2, src_stride=128, dst_stride=64)]), keys)
+    for frames in sent:
+        c = decode(frames)
+        assert c.sums == {(1, 0): int(want[0]), (1, 1): int(want[1])}
+        assert c.sender == Sender(1, 0, 2)
