@@ -87,6 +87,12 @@ def _preflight_parser(sub) -> None:
     add_arguments(p)
 
 
+def _export_patches_parser(sub) -> None:
+    from sglang_dflash_pp.tools.export_patches.command import add_parser
+
+    add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sglang-dflash-pp",
@@ -96,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _check_parser(sub)
     _preflight_parser(sub)
+    _export_patches_parser(sub)
     return parser
 
 
@@ -176,6 +183,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "check":
         return _run_check(parser, args, launch)
+    if args.command == "export-patches":
+        from sglang_dflash_pp.tools.export_patches.command import run
+
+        return run(parser, args)
     if launch is not None:
         parser.error("preflight takes no launch arguments after '--'")
     from sglang_dflash_pp.tools.preflight import run_preflight_cli

@@ -1,0 +1,186 @@
+"""Check a series on the patched tree itself: every prefix imports, the bug-fix PRs fix their bug.
+
+Each check runs in a subprocess that imports ``sglang`` from the tree (its parent directory first
+on ``sys.path``, the tree's package directory must be named ``sglang``) and never our plugin:
+
+* ``SGLANG_PLUGINS`` names only an entry point no plugin has. Unset or empty is not enough:
+  ``sglang.srt.plugins.load_plugins_by_group`` treats an empty whitelist as none and then loads
+  every installed ``sglang.srt.plugins`` entry point, ours (``dflash_pp``) included;
+* an import hook refuses every ``sglang_dflash_pp`` module, so in-tree code that still imported
+  the plugin fails the check instead of quietly using it;
+* the subprocess then calls ``load_plugins()`` as a server process does and reports every
+  registered hook and every imported module of ours (both must be empty), and where ``sglang``
+  came from (must be the tree).
+
+Bytecode goes to the tree's ``__pycache__`` (ignored by sglang's ``.gitignore``, and by the
+scratch repository the generator makes), or to ``cache_dir`` (``PYTHONPYCACHEPREFIX``) when given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from sglang_dflash_pp.tools.export_patches.errors import ExportError
+from sglang_dflash_pp.tools.export_patches.git_repo import ScratchRepo
+
+NO_PLUGIN = "stock-sglang-only"  # the entry-point whitelist: a name no plugin uses
+
+_PRELUDE = r"""
+import importlib, importlib.abc, json, os, sys, traceback
+
+class _RefusePlugin(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "sglang_dflash_pp" or name.startswith("sglang_dflash_pp."):
+            raise ImportError(name + " is imported: the patched tree must not need the plugin")
+        return None
+
+sys.meta_path.insert(0, _RefusePlugin())
+
+def _plugin_state():
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    load_plugins()
+    import sglang
+    return {
+        "sglang_file": sglang.__file__,
+        "hooks": sorted(HookRegistry._hooks),
+        "plugin_modules": sorted(m for m in sys.modules if m.startswith("sglang_dflash_pp")),
+    }
+"""
+
+_IMPORT = _PRELUDE + r"""
+errors = {}
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except BaseException:
+        errors[name] = traceback.format_exc(limit=-4)
+state = _plugin_state()
+print("IMPORT_CHECK " + json.dumps({"errors": errors, **state}))
+"""
+
+_REPRO = _PRELUDE + r"""
+import runpy
+script = sys.argv[1]
+sys.argv = [script]
+runpy.run_path(script, run_name="__main__")
+print("PLUGIN_STATE " + json.dumps(_plugin_state()))
+"""
+
+
+def tree_env(package_dir: str, cache_dir: Optional[str] = None) -> Dict[str, str]:
+    if os.path.basename(os.path.normpath(package_dir)) != "sglang":
+        raise ExportError(
+            f"{package_dir} cannot be imported as sglang: its directory is not named sglang"
+        )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.dirname(os.path.normpath(package_dir))
+    env["SGLANG_PLUGINS"] = NO_PLUGIN
+    if cache_dir is not None:
+        env["PYTHONPYCACHEPREFIX"] = cache_dir
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def _run(code: str, args: Sequence[str], env, timeout: float):
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
+        timeout=timeout, cwd=tempfile.gettempdir(),
+    )
+
+
+def _tagged(stdout: str, tag: str) -> Optional[dict]:
+    for line in stdout.splitlines():
+        if line.startswith(tag + " "):
+            return json.loads(line[len(tag) + 1 :])
+    return None
+
+
+def _from_tree(state: dict, package_dir: str) -> bool:
+    return os.path.realpath(state.get("sglang_file", "")).startswith(
+        os.path.realpath(package_dir) + os.sep
+    )
+
+
+@dataclass
+class ImportCheck:
+    pr: str
+    commit: str
+    modules: List[str]
+    errors: Dict[str, str] = field(default_factory=dict)
+    sglang_file: str = ""
+    hooks: List[str] = field(default_factory=list)
+    plugin_modules: List[str] = field(default_factory=list)
+    from_tree: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.from_tree and not (self.errors or self.hooks or self.plugin_modules)
+
+
+def import_modules(package_dir: str, modules: Sequence[str], cache_dir: Optional[str] = None,
+                   timeout: float = 600) -> dict:
+    r = _run(_IMPORT, modules, tree_env(package_dir, cache_dir), timeout)
+    state = _tagged(r.stdout, "IMPORT_CHECK")
+    if state is None:
+        raise ExportError(
+            f"the import check did not finish (exit {r.returncode}):\n{r.stderr[-3000:]}"
+        )
+    state["from_tree"] = _from_tree(state, package_dir)
+    return state
+
+
+def verify_prefixes(package_dir: str, prs: Sequence, cache_dir: Optional[str] = None,
+                    log=print) -> List[ImportCheck]:
+    """Check out each commit of the series in turn and import every module the PRs up to it
+    touched; the repository is left where it was."""
+    repo = ScratchRepo(package_dir)
+    ref = subprocess.run(
+        ["git", "symbolic-ref", "-q", "--short", "HEAD"], cwd=repo.root, capture_output=True,
+        text=True,
+    ).stdout.strip() or repo.head()
+    checks, modules = [], []
+    try:
+        for r in prs:
+            modules += [m for m in r.modules if m not in modules]
+            repo.git("checkout", "-q", r.commit)
+            state = import_modules(package_dir, modules, cache_dir)
+            check = ImportCheck(r.pr, r.commit, list(modules), **state)
+            checks.append(check)
+            log(f"prefix up to PR {r.pr}: {'imports' if check.ok else 'FAILS'} "
+                f"({len(modules)} modules)")
+            for name, tb in check.errors.items():
+                log(f"  {name}:\n{tb}")
+    finally:
+        repo.git("checkout", "-q", ref)
+    return checks
+
+
+def docs_bug_dir() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(here))))
+    return os.path.join(repo, "docs", "upstream", "bugs")
+
+
+def run_repro(bug: str, package_dir: str, cache_dir: Optional[str] = None,
+              timeout: float = 600) -> dict:
+    """``docs/upstream/bugs/<bug>/repro.py`` on the patched tree, in its stock mode."""
+    script = os.path.join(docs_bug_dir(), bug, "repro.py")
+    if not os.path.isfile(script):
+        raise ExportError(f"no reproduction {script}")
+    r = _run(_REPRO, [script], tree_env(package_dir, cache_dir), timeout)
+    result = _tagged(r.stdout, "RESULT")
+    state = _tagged(r.stdout, "PLUGIN_STATE")
+    if result is None or state is None:
+        raise ExportError(
+            f"{bug}/repro.py did not finish (exit {r.returncode}):\n{r.stderr[-3000:]}"
+        )
+    state["from_tree"] = _from_tree(state, package_dir)
+    return {"result": result, **state, "stdout": r.stdout}
