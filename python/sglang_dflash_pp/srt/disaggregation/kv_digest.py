@@ -279,12 +279,11 @@ class Contribution:
         self.sums[k] = add64(self.sums.get(k, 0), value)
 
     def add_slots(self, tables: Iterable[BufferTable], sums: np.ndarray) -> None:
-        """Add a digest's per-slot sums; a slot no block touched is skipped."""
+        """Add a digest's per-slot sums; a slot no block touched (sum 0) is skipped."""
         for table in tables:
-            for i in range(len(table)):
-                value = int(sums[table.first_slot + i])
-                if value:
-                    self.add(table.kind, i, value)
+            part = sums[table.first_slot : table.first_slot + len(table)]
+            for i in np.flatnonzero(part).tolist():
+                self.add(table.kind, i, int(part[i]))
 
 
 MESSAGE_TAG = b"DFLASH_KV_DIGEST"

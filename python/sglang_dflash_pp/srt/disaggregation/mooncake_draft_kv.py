@@ -94,8 +94,10 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import (
 )
 from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
     Descriptors,
+    DigestEntries,
     Regime,
-    digest_blocks,
+    digest_blocks_of,
+    digest_entries,
     dst_page_runs,
     entry_descriptors,
     pack_source_rows,
@@ -236,6 +238,7 @@ class DraftSend:
     dst_bases: np.ndarray
     dst_item: np.ndarray  # decode bytes per page, per entry (a packed slab's page stride too)
     src_pages: np.ndarray  # pages of each source entry (page ids must stay below)
+    digest: Optional[DigestEntries]  # the KV digest's view of the entries (kv_digest_send)
 
     @classmethod
     def of(cls, manager, plan: DraftKVPeerPlan, dst_kv_ptrs) -> "DraftSend":
@@ -271,6 +274,13 @@ class DraftSend:
             src_pages=np.asarray(
                 [kv_args.kv_data_lens[e.src_index] // n for e, n in zip(entries, item)],
                 np.int64,
+            ),
+            digest=(
+                digest_entries(plan.pair, [e.component for e in entries],
+                               [kv_args.kv_data_ptrs[e.src_index] for e in entries],
+                               [e.dst_index for e in entries])  # fmt: skip
+                if plan.pair is not None and plan.pair.writer and plan.action.sends_draft
+                else None
             ),
         )
 
@@ -666,8 +676,9 @@ def _send_draft_entries(self, send: DraftSend, session, src_pages, dst_pages) ->
     if kv_digest_send.digest_of(self) is not None:
         send.check_pages(src_pages)  # the digest reads the pool at these pages
         registration = self.decode_kv_args_table.get(session)
-        kv_digest_send.add_blocks(self, _current_room(self), session, registration,
-                                  _digest_blocks(send, src_pages, dst_pages))  # fmt: skip
+        blocks = _digest_blocks(send, src_pages, dst_pages)
+        if blocks is not None:
+            kv_digest_send.add_blocks(self, _current_room(self), session, registration, blocks)
     pair, staging = send.plan.pair, send.staging
     packing = send.regime is Regime.PACK_SOURCE and staging is not None
     packs = _chunk_packs(self, staging) if packing else None
@@ -701,14 +712,9 @@ def _send_draft_entries(self, send: DraftSend, session, src_pages, dst_pages) ->
 
 def _digest_blocks(send: DraftSend, src_pages, dst_pages):
     """The KV digest's blocks of this send: the pool rows the plan writes, at their decode slots."""
-    from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks
-
-    return Blocks.concat(
-        [
-            digest_blocks(send.plan.pair, e.component, int(sb), e.dst_index, src_pages, dst_pages)
-            for e, sb in zip(send.plan.entries, send.src_bases)
-        ]
-    )
+    if send.digest is None:
+        return None
+    return digest_blocks_of(send.digest, src_pages, dst_pages)
 
 
 def _pool_descriptors(send: DraftSend, src_pages, dst_pages, build) -> Descriptors:
