@@ -209,8 +209,9 @@ def page_runs(src_pages, dst_pages) -> Tuple[np.ndarray, np.ndarray, np.ndarray]
         raise ValueError(f"page lists differ in length: {s.size} source, {d.size} destination")
     if s.size == 0:
         return s, d, s
-    starts = np.flatnonzero(np.r_[True, (np.diff(s) != 1) | (np.diff(d) != 1)])
-    lengths = np.diff(np.r_[starts, s.size])
+    breaks = np.flatnonzero((s[1:] - s[:-1] != 1) | (d[1:] - d[:-1] != 1)) + 1
+    starts = np.concatenate((np.zeros(1, np.int64), breaks))
+    lengths = np.concatenate((breaks, [s.size])) - starts
     return s[starts], d[starts], lengths
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import hashlib
 import struct
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, NamedTuple, Sequence, Tuple
@@ -146,14 +147,27 @@ class Blocks(NamedTuple):
 
     @classmethod
     def of(cls, src, dst, nbytes, slot, rows=1, src_stride=0, dst_stride=0) -> "Blocks":
+        """Columns from arrays of the blocks' count or scalars (the send path calls this per
+        decode rank and chunk: no copies beyond one array per column)."""
         src = np.asarray(src, dtype=np.int64).reshape(-1)
         n = src.size
 
         def col(v):
-            return np.broadcast_to(np.asarray(v, dtype=np.int64).reshape(-1), (n,)).copy()
+            if np.ndim(v) == 0:
+                return np.full(n, int(v), dtype=np.int64)
+            a = np.asarray(v, dtype=np.int64).reshape(-1)
+            return a if a.size == n else np.broadcast_to(a, (n,)).copy()
 
         return cls(src, col(dst), col(nbytes), col(rows), col(src_stride), col(dst_stride),
                    col(slot))  # fmt: skip
+
+    def fingerprint(self) -> bytes:
+        """Equal for equal blocks (so equal sums): several decode ranks often receive the same
+        bytes at the same offsets (replicated MLA KV, a draft head held by several ranks)."""
+        h = hashlib.blake2b(digest_size=16)
+        for column in self:
+            h.update(np.ascontiguousarray(column).data)
+        return h.digest()
 
     @classmethod
     def concat(cls, parts: Sequence["Blocks"]) -> "Blocks":

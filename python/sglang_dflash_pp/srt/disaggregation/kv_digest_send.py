@@ -173,28 +173,35 @@ def flush(manager) -> None:
     parts, written = _pending().take()
     if digest is None or not parts:
         return
-    slot_base: Dict[Tuple[int, str], int] = {}
+    # Parts with equal blocks and equal keys have equal sums: digested once. (A prefill rank
+    # sends the same target MLA KV, at the same offsets, to each of its decode ranks, and a draft
+    # head to each rank that holds it.)
+    groups: Dict[Tuple, List[int]] = {}
+    layouts = []
+    for i, (room, session, registration, blocks) in enumerate(parts):
+        tables, reg_keys = _tables_and_keys(registration)
+        layouts.append((tables, reg_keys))
+        # The keys are a function of the tables' sizes (kv_digest.buffer_key).
+        signature = (blocks.fingerprint(),) + tuple(len(t) for t in tables)
+        groups.setdefault(signature, []).append(i)
     keys: List[int] = []
-    layout = []
-    for room, session, registration, blocks in parts:
-        key = (room, session)
-        if key not in slot_base:
-            tables, reg_keys = _tables_and_keys(registration)
-            slot_base[key] = len(keys)
-            keys.extend(reg_keys)
-            layout.append((key, tables))
-    shifted = [b._replace(slot=b.slot + slot_base[(room, session)])
-               for room, session, _, b in parts]  # fmt: skip
+    shifted, bases = [], {}
+    for members in groups.values():
+        first = members[0]
+        base = len(keys)
+        keys.extend(layouts[first][1])
+        shifted.append(parts[first][3]._replace(slot=parts[first][3].slot + base))
+        for i in members:
+            bases[i] = base
     try:
         sums = digest.engine.digest(Blocks.concat(shifted), keys, wait_events=written)
     except Exception as e:
         for room, session in {(r, s) for r, s, _, _ in parts}:
             _fail(manager, room, session, e)
         return
-    for (room, session), tables in layout:
-        base = slot_base[(room, session)]
-        n = sum(len(t) for t in tables)
-        digest.add(room, session, tables, sums[base : base + n])
+    for i, (room, session, _, _) in enumerate(parts):
+        tables, reg_keys = layouts[i]
+        digest.add(room, session, tables, sums[bases[i] : bases[i] + len(reg_keys)])
 
 
 def end_chunk(manager) -> None:
