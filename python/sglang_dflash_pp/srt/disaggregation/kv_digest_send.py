@@ -59,29 +59,31 @@ _scope = threading.local()
 
 
 class SendDigest:
-    """One prefill rank's digest state: its engine, its name, the rooms' running sums."""
+    """One prefill rank's digest state: its engine, its name, the rooms' running sums (per
+    (room, decode rank): one uint64 per decode buffer, added to in place: uint64 wraps mod
+    2**64; turned into a :class:`Contribution` when sent)."""
 
     def __init__(self, engine, sender: Sender):
         self.engine = engine
         self.sender = sender
         self._lock = threading.Lock()
-        self._sums: Dict[Tuple[int, str], Contribution] = {}
-
-    def contribution(self, room: int, session: str) -> Contribution:
-        with self._lock:
-            c = self._sums.get((room, session))
-            if c is None:
-                c = self._sums[(room, session)] = Contribution(int(room), self.sender)
-            return c
+        self._sums: Dict[Tuple[int, str], Tuple[tuple, np.ndarray]] = {}
 
     def add(self, room: int, session: str, tables, sums: np.ndarray) -> None:
-        c = self.contribution(room, session)
         with self._lock:
-            c.add_slots(tables, sums)
+            entry = self._sums.get((room, session))
+            if entry is None:
+                self._sums[(room, session)] = (tables, np.array(sums, dtype=np.uint64))
+            else:
+                entry[1][:] += sums
 
     def pop(self, room: int, session: str) -> Contribution:
         with self._lock:
-            return self._sums.pop((room, session), None) or Contribution(int(room), self.sender)
+            entry = self._sums.pop((room, session), None)
+        c = Contribution(int(room), self.sender)
+        if entry is not None:
+            c.add_slots(*entry)
+        return c
 
     def forget_room(self, room: int) -> None:
         with self._lock:
@@ -178,11 +180,14 @@ def flush(manager) -> None:
     # head to each rank that holds it.)
     groups: Dict[Tuple, List[int]] = {}
     layouts = []
+    prints: Dict[int, bytes] = {}  # one fingerprint per distinct Blocks object
     for i, (room, session, registration, blocks) in enumerate(parts):
         tables, reg_keys = _tables_and_keys(registration)
         layouts.append((tables, reg_keys))
+        if id(blocks) not in prints:
+            prints[id(blocks)] = blocks.fingerprint()
         # The keys are a function of the tables' sizes (kv_digest.buffer_key).
-        signature = (blocks.fingerprint(),) + tuple(len(t) for t in tables)
+        signature = (prints[id(blocks)],) + tuple(len(t) for t in tables)
         groups.setdefault(signature, []).append(i)
     keys: List[int] = []
     shifted, bases = [], {}

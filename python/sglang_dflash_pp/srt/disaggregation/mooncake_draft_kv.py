@@ -276,9 +276,9 @@ class DraftSend:
                 np.int64,
             ),
             digest=(
-                digest_entries(plan.pair, [e.component for e in entries],
-                               [kv_args.kv_data_ptrs[e.src_index] for e in entries],
-                               [e.dst_index for e in entries])  # fmt: skip
+                _interned(digest_entries(plan.pair, [e.component for e in entries],
+                                         [kv_args.kv_data_ptrs[e.src_index] for e in entries],
+                                         [e.dst_index for e in entries]))  # fmt: skip
                 if plan.pair is not None and plan.pair.writer and plan.action.sends_draft
                 else None
             ),
@@ -711,10 +711,27 @@ def _send_draft_entries(self, send: DraftSend, session, src_pages, dst_pages) ->
 
 
 def _digest_blocks(send: DraftSend, src_pages, dst_pages):
-    """The KV digest's blocks of this send: the pool rows the plan writes, at their decode slots."""
+    """The KV digest's blocks of this send: the pool rows the plan writes, at their decode slots.
+    Decode ranks holding the same heads share their digest entries (interned at registration),
+    so within a chunk their blocks are built once (and digested once: ``kv_digest_send.flush``)."""
     if send.digest is None:
         return None
-    return digest_blocks_of(send.digest, src_pages, dst_pages)
+    memo = transfer_chunk.memo()
+    key = ("digest blocks", id(send.digest), src_pages.tobytes(), dst_pages.tobytes())
+    blocks = memo.get(key)
+    if blocks is None:
+        blocks = memo[key] = digest_blocks_of(send.digest, src_pages, dst_pages)
+    return blocks
+
+
+_interned_digest_entries: dict = {}
+_interned_lock = threading.Lock()
+
+
+def _interned(entries: DigestEntries) -> DigestEntries:
+    key = tuple(a.tobytes() if isinstance(a, np.ndarray) else a for a in entries)
+    with _interned_lock:
+        return _interned_digest_entries.setdefault(key, entries)
 
 
 def _pool_descriptors(send: DraftSend, src_pages, dst_pages, build) -> Descriptors:

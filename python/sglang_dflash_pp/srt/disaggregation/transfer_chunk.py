@@ -22,6 +22,7 @@ _worker = threading.local()
 def begin(manager, chunk) -> None:
     """This thread now sends ``chunk`` (a ``TransferKVChunk``, or None) for ``manager``."""
     _worker.manager, _worker.chunk = manager, chunk
+    _worker.memo = {}
     # sglang synchronises and drops the chunk's wait_event before the sends; keep its events
     # for the readers on side streams (the pack, the digest: kv_write_fence).
     _worker.written = cuda_event_of(getattr(chunk, "wait_event", None))
@@ -30,6 +31,16 @@ def begin(manager, chunk) -> None:
 def end() -> None:
     _worker.manager = _worker.chunk = None
     _worker.written = ()
+    _worker.memo = {}
+
+
+def memo() -> dict:
+    """A dict that lives as long as this thread's current chunk (what its sends to several
+    decode ranks can share)."""
+    m = getattr(_worker, "memo", None)
+    if m is None:
+        m = _worker.memo = {}
+    return m
 
 
 def chunk_of(manager):
