@@ -223,13 +223,19 @@ def nccl_carry(out):
     out.append("")
 
 
+def kv_digest_cost(out):
+    import kv_digest_cost as script  # the section is rendered next to the code that measured it
+
+    out += script.section(load("kv_digest_cost.json"))
+
+
 def main():
     out = [
         "# H200 measurements",
         "",
         "Raw results with provenance and raw samples: `pack_send_path.json`, `send_path_fence.json`,",
-        "`pack_bandwidth.json`, `partial_projection.json`, `nccl_carry.json` (scripts in",
-        "`benchmark/gpu/`; this page is",
+        "`pack_bandwidth.json`, `partial_projection.json`, `nccl_carry.json`, `kv_digest_cost.json`",
+        "(scripts in `benchmark/gpu/`; this page is",
         "`python3 benchmark/gpu/report.py`).",
         "",
     ]
@@ -238,6 +244,7 @@ def main():
     pack_bandwidth(out)
     partial_projection(out)
     nccl_carry(out)
+    kv_digest_cost(out)
     print("\n".join(out))
 
 

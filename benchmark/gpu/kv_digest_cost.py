@@ -1,0 +1,1372 @@
+"""What the composed KV digest costs a Kimi-K3 prefill rank per chunk, timed through the code that
+ships (``kv_digest_send``: the send hooks' descriptor digest, ``add_blocks``, ``flush``), against
+the time Mooncake takes to move the bytes it digests.
+
+Geometry (``python/sglang_dflash_pp/examples/kimi_k3``, ``sglang-dflash-pp check --example
+kimi-k3``): P = TP4 x PP8 sends to D = TP32, so each prefill rank of the last stage (layers
+81..92 of the target's 93, 0-based) serves 8 decode ranks: prefill rank 3 -> decode ranks 24..31
+(sglang's rank mapping, ``draft_kv_plan.prefill_ranks_for``). One chunk of
+``--chunked-prefill-size`` 8192 tokens = 128 pages of 64, in runs of 16 pages contiguous on both
+sides. Per decode rank:
+
+* target MLA entries (the stage's 4 full-attention layers): the Mooncake descriptors sglang
+  0.5.23's ``MooncakeKVManager._send_kvcache_generic`` builds (legacy batch path: one
+  ``batch_transfer_sync`` per decode rank, one descriptor per layer per page run contiguous on
+  both sides, the layers paired with the decode's entries by layer id);
+* draft entries (K and V of the 6 draft layers): ``mooncake_draft_kv._digest_blocks`` of the
+  ``DraftSend`` the registration hook builds from the plugin's verdict (``peer_verdict``), i.e.
+  ``draft_kv_plan.digest_blocks_of``: the decode's head in strided rows, one block per entry and
+  page run;
+* last chunk only, the KDA state of the stage's 8 KDA layers: the descriptors sglang 0.5.23's
+  ``MooncakeKVManager._send_mamba_state_slice`` builds for a prefill TP4 -> decode TP32 slice
+  (``compute_mamba_state_slice_byte_blocks``; on the GPU machine, where sglang cannot be
+  installed, the mirror below, checked against sglang's own function by ``--check-sglang``).
+  Shapes from the example's ``linear_attn_config`` by sglang's ``KimiLinearStateShape.create``:
+  ``JSON geometry.kda_state``.
+
+What runs, per chunk (``send_path``): the worker-chunk scope (``transfer_chunk.begin`` with the
+chunk's KV-written event as its ``wait_event``), then for each decode rank the MLA descriptors
+through ``kv_digest_send.scope`` + ``batch_transfer_sync_around`` (the hook on Mooncake's
+``batch_transfer_sync``: ``BufferTable.blocks`` resolves the destinations, ``add_blocks`` queues),
+the draft's ``check_pages`` + ``add_blocks(_digest_blocks(...))`` as ``_send_draft_entries`` does,
+on the last chunk the state descriptors through a STATE scope; then ``flush(manager)``: one
+``DigestEngine.digest`` (``DeviceDigest``, the Triton kernel) for all 8 decode ranks and the sums
+added to the rooms' contributions. The manager is a ``SimpleNamespace`` holding what these
+functions read; Mooncake's transfer is a no-op (the ratio's denominator is bytes / 50 GB/s).
+Decode-side pointers are distinct fake bases (the digest needs only destination offsets); the
+sources are real GPU memory.
+
+Timed (L2 flushed before each sample by a 512 MiB fill on another stream, whose event is the
+chunk's ``wait_event``; every variant once per repetition, in rotating order):
+
+* ``shipped_send_path_{middle,last}_chunk``: the above, wall = ``time.perf_counter`` around it
+  (split at the ``flush`` call), gpu = CUDA events on the digest engine's stream around it;
+* ``shipped_add_blocks_flush_{middle,last}_chunk``: only ``add_blocks`` of the same blocks, built
+  beforehand, and ``flush``;
+* ``direct_*`` (the earlier benchmark's variants, kept for comparison): ``DeviceDigest.digest``
+  called directly on blocks this script builds by its own formula (the middle chunk's MLA and
+  draft blocks): one call for the 8 decode ranks, the same through Triton's JIT launch, 8 calls,
+  the MLA blocks once, an empty call; ``kernel_alone``: events around ``kv_digest_triton.launch``
+  with the table on the device, for the shipped tile shape and a sweep of others;
+  ``host_prep``/``host_steps``/``direct_call_steps``: the host parts of a direct call.
+
+Ratio: digest time / (chunk bytes / 50 GB/s), chunk bytes = the bytes of the chunk's descriptors
+to the 8 decode ranks (what Mooncake moves for them; the draft's equal its digest blocks').
+
+Checked on the GPU: the shipped path's per-decode-rank sums of the middle chunk equal the direct
+formula digest; the last chunk's KV sums equal the middle chunk's; each decode rank's state sums
+equal that decode rank's own digest (``kv_digest_verify.request_blocks``) of its state slot after
+the state descriptors' bytes were copied into a host model of its state pool (``ctypes.memmove``;
+decode rank 24 and 31); no failure concluded; the direct chunk digest equals
+``kv_digest.digest_blocks_host`` over CPU copies; pieces, a flipped byte; no CUDA allocation and
+no kernel compile during 100 digests (direct and shipped) after ``warm()``; sglang not imported.
+
+    PYTHONPATH=python python3 benchmark/gpu/kv_digest_cost.py --out benchmark/gpu/results/kv_digest_cost.json
+    .venv/bin/python benchmark/gpu/kv_digest_cost.py --check-sglang benchmark/gpu/results/kv_digest_cost.json   # local, sglang 0.5.23
+    python3 benchmark/gpu/kv_digest_cost.py --keep-previous benchmark/gpu/results/kv_digest_cost.json EARLIER.json
+    PYTHONPATH=python python3 benchmark/gpu/kv_digest_cost.py --smoke   # the shipped path on CPU, small
+    python3 benchmark/gpu/kv_digest_cost.py --render benchmark/gpu/results/kv_digest_cost.json
+    PYTHONPATH=python python3 benchmark/gpu/kv_digest_cost.py --geometry   # the blocks, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_D = "python/sglang_dflash_pp/srt/disaggregation/"
+TIMED = [_D + f for f in (
+    "kv_digest_send.py", "kv_digest_engine.py", "kv_digest_triton.py", "kv_digest.py",
+    "transfer_chunk.py", "mooncake_draft_kv.py", "draft_kv_plan.py",
+)]  # fmt: skip
+PREFILL_RANK = 3
+STAGE = 7  # the last PP stage
+# sglang's get_pp_indices for 93 layers over PP8, as ``check --example kimi-k3`` prints it
+# (sglang is not installed on the GPU machine; used when it cannot be imported).
+PP8_PARTITION = [11, 11, 11, 12, 12, 12, 12, 12]
+RUN_PAGES = 16  # the chunk's pages lie in runs of this many, contiguous on both sides
+PREFILL_POOL_PAGES = 512  # per entry, in real GPU memory
+DECODE_POOL_PAGES = 8192  # decode offsets only (numbers)
+STATE_SLOTS = 4  # prefill state pool slots (sglang's size + 1), real GPU memory
+SRC_STATE_SLOT = 1  # the request's state slot on the prefill
+DECODE_STATE_SLOTS = 8  # the host model of a decode rank's state pool (the decode-side check)
+DST_STATE_SLOT = 5  # the request's state slot on the decode
+LINK_BPS = 50e9
+GOAL = 0.05
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    try:
+        from sglang.srt.distributed.utils import get_pp_indices
+
+        return range(*get_pp_indices(num_layers, stage, pp))
+    except ImportError:
+        assert pp == len(PP8_PARTITION) and sum(PP8_PARTITION) == num_layers
+        start = sum(PP8_PARTITION[:stage])
+        return range(start, start + PP8_PARTITION[stage])
+
+
+def kda_state(lin: dict, tp: int) -> dict:
+    """One KDA layer's state per slot on a rank of attention TP ``tp``, as sglang 0.5.23 lays it
+    out (``configs/mamba_utils.py: KimiLinearStateShape.create`` from the config's
+    ``linear_attn_config``; ``mem_cache/memory_pool.py: MambaPool`` transfer entries)."""
+    heads, dim, kernel = int(lin["num_heads"]), int(lin["head_dim"]), int(lin["short_conv_kernel_size"])
+    k_heads, k_dim = int(lin.get("num_k_heads", heads)), int(lin.get("head_k_dim", dim))
+    groups = [heads * dim, k_heads * k_dim, k_heads * k_dim]  # q | k | v channels, each TP-sharded
+    conv = (kernel - 1, sum(g // tp for g in groups))  # [K - 1, q/tp + k/tp + v/tp], bf16
+    temporal = (heads // tp, dim, dim)  # the recurrent state, fp32 (SGLANG_MAMBA_SSM_DTYPE default)
+    return dict(
+        conv_shape=list(conv), conv_dtype="bfloat16", conv_item_bytes=math.prod(conv) * 2,
+        conv_slice_dim=conv[1], conv_outer_count=conv[0], conv_shard_groups=groups,
+        temporal_shape=list(temporal), temporal_dtype="float32",
+        temporal_item_bytes=math.prod(temporal) * 4, temporal_slice_dim=temporal[0],
+        temporal_outer_count=1,
+    )  # fmt: skip
+
+
+STATE_DERIVATION = (
+    "sglang 0.5.23 KimiLinearStateShape.create(tp_world_size=attn TP, num_heads=linear_attn_config"
+    ".num_heads, head_dim=linear_attn_config.head_dim, conv_kernel_size=linear_attn_config"
+    ".short_conv_kernel_size): one conv state per layer, [K-1, (H*D + 2*Hk*Dk)/TP] (q|k|v short-conv "
+    "windows concatenated, each sharded over TP; Hk, Dk = H, D when the config names none), dtype "
+    "bf16 (SGLANG_MAMBA_CONV_DTYPE default); one recurrent (temporal) state per layer, [H/TP, D, D], "
+    "fp32 (SGLANG_MAMBA_SSM_DTYPE default). MambaPool registers, per state field, one transfer entry "
+    "per KDA layer: the decode (PP1) all 69 KDA layers' conv entries then their temporal entries, the "
+    "prefill stage its 8 of each. A TP4 -> TP32 send is _send_mamba_state_slice: per layer pair "
+    "(by layer id), compute_mamba_state_slice_byte_blocks with the conv slice axis 1 (outer count "
+    "K-1 = 3) and conv_shard_groups [H*D, Hk*Dk, Hk*Dk], so 3 rows x 3 sub-blocks = 9 descriptors "
+    "of 256 channels x 2 B per conv state, and one descriptor of 2 heads x D x D x 4 B per temporal "
+    "state."
+)
+
+
+def geometry():
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import prefill_ranks_for
+    from sglang_dflash_pp.tools import examples
+
+    ex = examples.load("kimi-k3")
+    t = ex.config("target")["text_config"]
+    d = ex.config("draft")
+    p_tp, pp = int(ex.prefill_arg("--tp-size")), int(ex.prefill_arg("--pp-size"))
+    d_tp, page = ex.decode_tp_size, ex.page_size
+    chunk_tokens = int(ex.prefill_arg("--chunked-prefill-size"))
+    kda = set(t["linear_attn_config"]["kda_layers"])  # 1-based (sglang's is_kda_layer)
+    full = [i for i in range(t["num_hidden_layers"]) if (i + 1) not in kda]
+    kda_all = [i for i in range(t["num_hidden_layers"]) if (i + 1) in kda]
+    layers = stage_layers(t["num_hidden_layers"], pp, STAGE)
+    mla_stage = [i for i in layers if i in full]
+    heads, dim, draft_layers = int(d["num_key_value_heads"]), int(d["head_dim"]), int(d["num_hidden_layers"])
+    p_heads, d_heads = max(1, heads // p_tp), max(1, heads // d_tp)  # replicated when TP > heads
+    ranks = [r for r in range(d_tp) if PREFILL_RANK in prefill_ranks_for(r, prefill_tp=p_tp, decode_tp=d_tp)]
+    lin = t["linear_attn_config"]
+    return SimpleNamespace(
+        p_tp=p_tp, pp=pp, d_tp=d_tp, page=page, chunk_tokens=chunk_tokens, pages=chunk_tokens // page,
+        stage_layers=[layers.start, layers.stop], full_attention_layers=len(full),
+        mla_stage_layers=mla_stage, mla_decode_index=[full.index(i) for i in mla_stage],
+        mla_token_bytes=(int(t["kv_lora_rank"]) + int(t["qk_rope_head_dim"])) * 2,
+        draft_entries=2 * draft_layers, draft_layers=draft_layers, kv_heads=heads, head_dim=dim,
+        prefill_heads=p_heads, decode_heads=d_heads, decode_ranks=ranks,
+        # decode rank r holds head r // (d_tp / heads); the prefill rank's local index of it
+        local_head={r: r * heads // d_tp - PREFILL_RANK * p_heads for r in ranks},
+        slots_per_rank=len(full) + 2 * draft_layers,
+        kda_layers=kda_all, kda_stage_layers=[i for i in layers if i in kda_all],
+        state_p=kda_state(lin, p_tp), state_d=kda_state(lin, d_tp), linear_attn_config=lin,
+    )  # fmt: skip
+
+
+def chunk_pages(g, seed=0, pages=None, pool_pages=PREFILL_POOL_PAGES):
+    """Source and destination page ids of the chunk: runs of RUN_PAGES at random run slots."""
+    rng = np.random.default_rng(seed)
+    runs = (pages or g.pages) // RUN_PAGES
+    src_runs = rng.choice(pool_pages // RUN_PAGES, runs, replace=False)
+    dst_runs = rng.choice(DECODE_POOL_PAGES // RUN_PAGES, runs, replace=False)
+    step = np.arange(RUN_PAGES)
+    src = (src_runs[:, None] * RUN_PAGES + step).reshape(-1)
+    dst = (dst_runs[:, None] * RUN_PAGES + step).reshape(-1)
+    return src.astype(np.int64), dst.astype(np.int64), src_runs * RUN_PAGES, dst_runs * RUN_PAGES
+
+
+def rank_blocks(g, rank, mla_bases, draft_bases, pages, slot0=0, mla=True, draft=True):
+    """One decode rank's blocks of the chunk by this script's own formula (the direct variants),
+    reading pools at the given base addresses."""
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks
+
+    src, dst, src_starts, dst_starts = pages
+    item = g.page * g.mla_token_bytes
+    parts = []
+    if mla:
+        for base, index in zip(mla_bases, g.mla_decode_index):
+            parts.append(Blocks.of(base + src_starts * item, dst_starts * item, RUN_PAGES * item,
+                                   slot0 + index))  # fmt: skip
+    if draft:
+        row = g.head_dim * 2
+        h = g.local_head[rank]
+        for e, base in enumerate(draft_bases):
+            parts.append(Blocks.of(
+                base + (src * g.page * g.prefill_heads + h) * row, dst * g.page * g.decode_heads * row,
+                row, slot0 + g.full_attention_layers + e, rows=g.page,
+                src_stride=g.prefill_heads * row, dst_stride=g.decode_heads * row,
+            ))  # fmt: skip
+    return Blocks.concat(parts)
+
+
+def keys_of(g):
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import BufferKind, buffer_key
+
+    return [buffer_key(BufferKind.KV, i) for i in range(g.slots_per_rank)]
+
+
+# -- sglang's descriptors ---------------------------------------------------------------------
+
+
+def decode_kv_ptrs(g, r):
+    """Decode rank ``r``'s registered KV entries (24 target MLA layers, then 12 draft entries):
+    distinct fake bases, 8 GiB apart."""
+    return [((1 + r) << 40) + (j << 33) for j in range(g.slots_per_rank)]
+
+
+def decode_state_ptrs(g, r):
+    """Its state entries (conv of the 69 KDA layers, then their temporal state): fake bases."""
+    return [((1 + r) << 40) + (1 << 39) + (c << 30) for c in range(2 * len(g.kda_layers))]
+
+
+def mla_descriptors(g, src_bases, dst_kv_ptrs, src_pages, dst_pages):
+    """sglang 0.5.23 ``_send_kvcache_generic`` for a hybrid-MLA target with layer ids, legacy batch
+    path: per stage layer (paired by layer id with the decode's entry), one descriptor per run of
+    pages contiguous on both sides (``group_concurrent_contiguous``), as the lists it hands
+    ``batch_transfer_sync``."""
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import page_runs
+
+    item = g.page * g.mla_token_bytes
+    s0, d0, n = (a.tolist() for a in page_runs(src_pages, dst_pages))
+    src, dst, length = [], [], []
+    for base, j in zip(src_bases, g.mla_decode_index):
+        for a, b, c in zip(s0, d0, n):
+            src.append(int(base) + a * item)
+            dst.append(int(dst_kv_ptrs[j]) + b * item)
+            length.append(item * c)
+    return src, dst, length
+
+
+def entry_pairs(src_ids, dst_ids):
+    """sglang's ``build_transfer_entry_pairs`` with layer ids: occurrences paired in order."""
+    pos = {}
+    for j, lid in enumerate(dst_ids):
+        pos.setdefault(lid, []).append(j)
+    return [(i, pos[lid].pop(0)) for i, lid in enumerate(src_ids)]
+
+
+def mirror_slice_byte_blocks(*, src_item_len, dst_item_len, src_dim, dst_dim, outer_count,
+                             src_attn_tp_size, dst_attn_tp_size, dst_tp_rank_in_group,
+                             local_tp_rank_in_group, conv_shard_groups=None):  # fmt: skip
+    """sglang 0.5.23 ``disaggregation/utils.py: compute_mamba_state_slice_byte_blocks`` for the
+    scatter direction (one prefill rank feeds several decode ranks), the only one this geometry
+    takes; ``--check-sglang`` compares it with sglang's own function."""
+    if src_dim == 0 or dst_dim == 0 or src_attn_tp_size > dst_attn_tp_size:
+        raise NotImplementedError("only the scatter direction of TP-sharded state is mirrored")
+    src_b = src_item_len // (src_dim * outer_count)
+    dst_b = dst_item_len // (dst_dim * outer_count)
+    if conv_shard_groups is not None and sum(conv_shard_groups) == src_dim * src_attn_tp_size:
+        logical, s_off, d_off = [], 0, 0
+        for full in conv_shard_groups:
+            s_sub, d_sub = full // src_attn_tp_size, full // dst_attn_tp_size
+            logical.append((s_off + (dst_tp_rank_in_group * d_sub) % s_sub, d_off, d_sub))
+            s_off, d_off = s_off + s_sub, d_off + d_sub
+    else:
+        logical = [((dst_tp_rank_in_group * dst_dim) % src_dim, 0, dst_dim)]
+    return [(o * src_dim * src_b + s * src_b, o * dst_dim * dst_b + d * dst_b, n * src_b)
+            for o in range(outer_count) for s, d, n in logical]  # fmt: skip
+
+
+def slice_byte_blocks():
+    """sglang's function where sglang is installed, else the mirror (the GPU machine)."""
+    try:
+        from sglang.srt.disaggregation.utils import compute_mamba_state_slice_byte_blocks
+
+        return compute_mamba_state_slice_byte_blocks, "sglang"
+    except ImportError:
+        return mirror_slice_byte_blocks, "mirror (sglang not installed)"
+
+
+def state_entries(g, s):
+    """Per-entry (item bytes, slice dim, outer count, conv shard groups) of ``n`` layers' conv
+    entries then their temporal entries."""
+    conv = (s["conv_item_bytes"], s["conv_slice_dim"], s["conv_outer_count"], s["conv_shard_groups"])
+    temporal = (s["temporal_item_bytes"], s["temporal_slice_dim"], s["temporal_outer_count"], None)
+    return conv, temporal
+
+
+def state_descriptors(g, r, src_ptrs, dst_ptrs, slice_fn=mirror_slice_byte_blocks):
+    """sglang 0.5.23 ``_send_mamba_state_slice`` of the request's state slot to decode rank ``r``:
+    ``src_ptrs`` the stage's 8 conv then 8 temporal entries, ``dst_ptrs`` the decode's 69 + 69."""
+    n_p, n_d = len(g.kda_stage_layers), len(g.kda_layers)
+    (pc, pt), (dc, dt) = state_entries(g, g.state_p), state_entries(g, g.state_d)
+    src_meta, dst_meta = [pc] * n_p + [pt] * n_p, [dc] * n_d + [dt] * n_d
+    src, dst, length = [], [], []
+    for i, j in entry_pairs(g.kda_stage_layers * 2, g.kda_layers * 2):
+        (s_item, s_dim, outer, groups), (d_item, d_dim, _, _) = src_meta[i], dst_meta[j]
+        for so, do, nb in slice_fn(
+            src_item_len=s_item, dst_item_len=d_item, src_dim=s_dim, dst_dim=d_dim,
+            outer_count=outer, src_attn_tp_size=g.p_tp, dst_attn_tp_size=g.d_tp,
+            dst_tp_rank_in_group=r % g.d_tp, local_tp_rank_in_group=PREFILL_RANK % g.p_tp,
+            conv_shard_groups=groups,
+        ):  # fmt: skip
+            src.append(int(src_ptrs[i]) + s_item * SRC_STATE_SLOT + so)
+            dst.append(int(dst_ptrs[j]) + d_item * DST_STATE_SLOT + do)
+            length.append(nb)
+    return src, dst, length
+
+
+def draft_verdict(g, r):
+    """The plugin's registration verdict on decode rank ``r`` (``draft_kv_peer.peer_verdict``, as
+    the registration hook computes it): prefill entries = the stage's 4 MLA layers then the 12
+    draft entries, decode entries = 24 MLA layers then the 12 draft entries, paired by layer id."""
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVShape
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import DecodePeer, PrefillSide, peer_verdict
+
+    mla_item = g.page * g.mla_token_bytes
+    p_draft, d_draft = g.page * g.prefill_heads * g.head_dim * 2, g.page * g.decode_heads * g.head_dim * 2
+    n_mla = len(g.mla_stage_layers)
+    prefill = PrefillSide(
+        tp_size=g.p_tp, tp_rank=PREFILL_RANK, page_size=g.page,
+        item_lens=[mla_item] * n_mla + [p_draft] * g.draft_entries,
+        num_draft_entries=g.draft_entries, has_layer_ids=True, pp_size=g.pp, pp_rank=STAGE,
+        shape=DraftKVShape(total_heads=g.kv_heads, k_head_dim=g.head_dim, v_head_dim=g.head_dim,
+                           dtype_bytes=2),
+    )  # fmt: skip
+    decode = DecodePeer(
+        tp_size=g.d_tp, tp_rank=r, item_lens=[mla_item] * g.full_attention_layers + [d_draft] * g.draft_entries,
+        num_entries=g.slots_per_rank, has_layer_ids=True,
+    )  # fmt: skip
+    pairs = list(zip(range(n_mla), g.mla_decode_index)) + [
+        (n_mla + e, g.full_attention_layers + e) for e in range(g.draft_entries)]
+    return peer_verdict(prefill, decode, pairs)
+
+
+def _moved(engine, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs):
+    """Mooncake's ``batch_transfer_sync`` under the digest hook: moves nothing here."""
+    return 0
+
+
+class SendPath:
+    """One prefill rank's composed-digest send state as the hooks see it: the manager (a
+    ``SimpleNamespace`` with what ``kv_digest_send`` and the draft send read), its 8 decode
+    registrations, and the chunk's descriptors per decode rank."""
+
+    def __init__(self, g, device, mla_bases, draft_bases, conv_ptrs, temporal_ptrs, pool_lens, pages,
+                 slice_fn=mirror_slice_byte_blocks):  # fmt: skip
+        from sglang_dflash_pp.srt.disaggregation import kv_digest_send as kds
+        from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv as mdk
+        from sglang_dflash_pp.srt.disaggregation.kv_digest import Sender
+        from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
+
+        self.g, self.kds, self.mdk = g, kds, mdk
+        self.src_pages, self.dst_pages = pages[0], pages[1]
+        self.failures = []
+        t0 = time.perf_counter()
+        engine = DigestEngine(device)
+        self.startup_s = time.perf_counter() - t0
+        self.mooncake = SimpleNamespace(name="the manager's MooncakeTransferEngine")
+        entries = list(mla_bases) + list(draft_bases)
+        self.manager = SimpleNamespace(
+            # sglang's _prefill_unique_rank: attn_tp_rank * pp_size * cp + pp_rank * cp + cp_rank
+            _dflash_kv_digest=kds.SendDigest(engine, Sender(STAGE, PREFILL_RANK, PREFILL_RANK * g.pp + STAGE)),
+            engine=self.mooncake, decode_kv_args_table={}, attn_tp_rank=PREFILL_RANK, pp_rank=STAGE,
+            conclude_failure=lambda **kw: self.failures.append(kw),
+            kv_args=SimpleNamespace(
+                kv_data_ptrs=entries, kv_data_lens=list(pool_lens), num_draft_entries=len(draft_bases),
+                kv_item_lens=[g.page * g.mla_token_bytes] * len(mla_bases)
+                + [g.page * g.prefill_heads * g.head_dim * 2] * len(draft_bases),
+                page_size=g.page,
+            ),
+        )  # fmt: skip
+        self.sessions, self.regs, self.sends, self.mla, self.state = {}, {}, {}, {}, {}
+        state_src = list(conv_ptrs) + list(temporal_ptrs)
+        for r in g.decode_ranks:
+            s = self.sessions[r] = f"decode-rank-{r}"
+            reg = self.regs[r] = SimpleNamespace(dst_kv_ptrs=decode_kv_ptrs(g, r),
+                                                 dst_state_data_ptrs=[decode_state_ptrs(g, r)])  # fmt: skip
+            self.manager.decode_kv_args_table[s] = reg
+            self.sends[r] = mdk.DraftSend.of(self.manager, draft_verdict(g, r), reg.dst_kv_ptrs)
+            self.mla[r] = mla_descriptors(g, mla_bases, reg.dst_kv_ptrs, *pages[:2])
+            self.state[r] = state_descriptors(g, r, state_src, reg.dst_state_data_ptrs[0], slice_fn)
+        self.rooms = itertools.count(1000)
+        self.popped = {}
+
+    @property
+    def engine(self):
+        return self.manager._dflash_kv_digest.engine
+
+    @property
+    def stream(self):
+        return self.engine._gpu.stream if self.engine.on_gpu else None
+
+    def chunk(self, room, wait_event, last):
+        """The digest's share of one chunk's sends to the 8 decode ranks; returns the host clock
+        at the ``flush`` call."""
+        kds, mdk, m = self.kds, self.mdk, self.manager
+        mdk.transfer_chunk.begin(m, SimpleNamespace(room=room, wait_event=wait_event))
+        try:
+            for r in self.g.decode_ranks:
+                session = self.sessions[r]
+                with kds.scope(m, session, None):  # send_kvcache_around's stock target send
+                    kds.batch_transfer_sync_around(_moved, self.mooncake, session, *self.mla[r])
+                send = self.sends[r]  # _send_draft_entries, digest on:
+                send.check_pages(self.src_pages)
+                kds.add_blocks(m, mdk._current_room(m), session, m.decode_kv_args_table.get(session),
+                               mdk._digest_blocks(send, self.src_pages, self.dst_pages))  # fmt: skip
+                if last:  # maybe_send_extra_around
+                    with kds.scope(m, session, None, kds.BufferKind.STATE):
+                        kds.batch_transfer_sync_around(_moved, self.mooncake, session, *self.state[r])
+            t_flush = time.perf_counter()
+            kds.flush(m)  # end_chunk / send_aux_around
+            return t_flush
+        finally:
+            mdk.transfer_chunk.end()
+
+    def blocks(self, last):
+        """The blocks the hooks queue per decode rank (as ``_Scope.add`` and the draft send
+        build them), built once for the add_blocks + flush variant."""
+        out = {}
+        for r in self.g.decode_ranks:
+            kv, state = self.kds.tables_of(self.regs[r])
+            parts = [kv.blocks(*(np.asarray(a, np.int64) for a in self.mla[r])),
+                     self.mdk._digest_blocks(self.sends[r], self.src_pages, self.dst_pages)]
+            if last:
+                parts.append(state.blocks(*(np.asarray(a, np.int64) for a in self.state[r])))
+            out[r] = parts
+        return out
+
+    def add_and_flush(self, room, wait_event, blocks):
+        kds, m = self.kds, self.manager
+        self.mdk.transfer_chunk.begin(m, SimpleNamespace(room=room, wait_event=wait_event))
+        try:
+            for r in self.g.decode_ranks:
+                for b in blocks[r]:
+                    kds.add_blocks(m, room, self.sessions[r], self.regs[r], b)
+            t_flush = time.perf_counter()
+            kds.flush(m)
+            return t_flush
+        finally:
+            self.mdk.transfer_chunk.end()
+
+    def pop(self, room):
+        """The room's contributions per decode rank (what ``send_aux_around`` sends)."""
+        digest = self.manager._dflash_kv_digest
+        self.popped = {r: digest.pop(room, self.sessions[r]) for r in self.g.decode_ranks}
+        return self.popped
+
+    def bytes(self, last):
+        n = sum(sum(self.mla[r][2]) for r in self.g.decode_ranks)
+        n += sum(b.total_bytes for parts in self.blocks(False).values() for b in parts[1:])
+        if last:
+            n += sum(sum(self.state[r][2]) for r in self.g.decode_ranks)
+        return n
+
+
+def make_pools(g, dev, pool_pages, torch):
+    """The prefill rank's pools: the stage's MLA layers, the draft entries (NHD), KDA state."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rnd = lambda *shape, dt=torch.bfloat16: torch.randn(*shape, device=dev, generator=gen).to(dt)  # noqa: E731
+    mla = [rnd(pool_pages * g.page, g.mla_token_bytes // 2) for _ in g.mla_stage_layers]
+    draft = [rnd(pool_pages * g.page, g.prefill_heads, g.head_dim) for _ in range(g.draft_entries)]
+    n, sp = len(g.kda_stage_layers), g.state_p
+    conv = rnd(n, STATE_SLOTS, *sp["conv_shape"])
+    temporal = rnd(n, STATE_SLOTS, *sp["temporal_shape"], dt=torch.float32)
+    return SimpleNamespace(mla=mla, draft=draft, conv=conv, temporal=temporal,
+                           lens=[p.numel() * p.element_size() for p in mla + draft])  # fmt: skip
+
+
+def send_path_of(g, pools, pages, device, slice_fn=mirror_slice_byte_blocks):
+    return SendPath(g, device, [p.data_ptr() for p in pools.mla], [p.data_ptr() for p in pools.draft],
+                    [pools.conv[k].data_ptr() for k in range(pools.conv.shape[0])],
+                    [pools.temporal[k].data_ptr() for k in range(pools.temporal.shape[0])],
+                    pools.lens, pages, slice_fn)  # fmt: skip
+
+
+def decode_side_state(g, sp, r, conv_cpu, temporal_cpu, torch, slice_fn=mirror_slice_byte_blocks):
+    """Decode rank ``r``'s own digest of its state slot once the state descriptors' bytes landed:
+    a host model of its state pool, the descriptors (rebuilt with host addresses) copied by
+    ``ctypes.memmove``, then ``kv_digest_verify.request_blocks`` (what the decode digests of a
+    request) over it. Returns (the stage's state buffers compared, equal, bytes moved)."""
+    from sglang_dflash_pp.srt.disaggregation import kv_digest as kd
+    from sglang_dflash_pp.srt.disaggregation import kv_digest_verify as kv
+
+    n_d, sd = len(g.kda_layers), g.state_d
+    dconv = torch.zeros(n_d, DECODE_STATE_SLOTS, *sd["conv_shape"], dtype=torch.bfloat16)
+    dtemp = torch.zeros(n_d, DECODE_STATE_SLOTS, *sd["temporal_shape"], dtype=torch.float32)
+    dst_ptrs = [dconv[k].data_ptr() for k in range(n_d)] + [dtemp[k].data_ptr() for k in range(n_d)]
+    src_ptrs = [conv_cpu[k].data_ptr() for k in range(conv_cpu.shape[0])] + [
+        temporal_cpu[k].data_ptr() for k in range(temporal_cpu.shape[0])]
+    src, dst, length = state_descriptors(g, r, src_ptrs, dst_ptrs, slice_fn)
+    for a, b, c in zip(src, dst, length):
+        ctypes.memmove(b, a, c)
+    kv_args = SimpleNamespace(
+        kv_data_ptrs=sp.regs[r].dst_kv_ptrs, kv_item_lens=[0] * g.slots_per_rank,
+        state_data_ptrs=[dst_ptrs],
+        state_item_lens=[[sd["conv_item_bytes"]] * n_d + [sd["temporal_item_bytes"]] * n_d],
+    )  # fmt: skip
+    tables = kv.decode_tables(kv_args)
+    own = kd.as_sums(tables, kd.digest_blocks_host(
+        kv.request_blocks(kv_args, np.zeros(0, np.int64), [DST_STATE_SLOT]), kd.slots_of(tables)))
+    stage = [(int(kd.BufferKind.STATE), c) for c in range(2 * n_d)
+             if g.kda_layers[c % n_d] in g.kda_stage_layers]  # fmt: skip
+    sent = {k: v for k, v in sp.popped[r].sums.items() if k[0] == int(kd.BufferKind.STATE)}
+    equal = sorted(sent) == sorted(stage) and all(own[k] == sent[k] for k in stage)
+    return len(stage), bool(equal), int(sum(length))
+
+
+def summary(samples):
+    import provenance
+
+    return dict(samples=samples, **provenance.summary(samples))
+
+
+def run(args):
+    import torch
+
+    import provenance
+    from sglang_dflash_pp.srt.disaggregation import kv_digest as kd
+    from sglang_dflash_pp.srt.disaggregation import kv_digest_triton as kt
+
+    g = geometry()
+    dev = torch.device("cuda")
+    pools = make_pools(g, dev, PREFILL_POOL_PAGES, torch)
+    mla_pools, draft_pools = pools.mla, pools.draft
+    mla_bases = [p.data_ptr() for p in mla_pools]
+    draft_bases = [p.data_ptr() for p in draft_pools]
+    pages = chunk_pages(g)
+    keys = keys_of(g)
+    n_ranks, spr = len(g.decode_ranks), g.slots_per_rank
+    per_rank = [rank_blocks(g, r, mla_bases, draft_bases, pages) for r in g.decode_ranks]
+    chunk = kd.Blocks.concat(
+        [rank_blocks(g, r, mla_bases, draft_bases, pages, slot0=i * spr) for i, r in enumerate(g.decode_ranks)]
+    )
+    mla_once = kd.Blocks.concat(
+        [rank_blocks(g, g.decode_ranks[0], mla_bases, draft_bases, pages, draft=False)]
+        + [rank_blocks(g, r, mla_bases, draft_bases, pages, slot0=i * spr, mla=False)
+           for i, r in enumerate(g.decode_ranks)]
+    )  # fmt: skip
+    chunk_keys = keys * n_ranks
+    chunk_bytes = chunk.total_bytes
+    link_s = chunk_bytes / LINK_BPS
+
+    t0 = time.perf_counter()
+    dig = kt.DeviceDigest(dev, max_blocks=args.max_blocks, max_slots=args.max_slots)
+    dig.warm()
+    torch.cuda.synchronize()
+    startup_s = time.perf_counter() - t0
+
+    # The shipped send path: its DigestEngine (what the prefill builds at startup) and manager.
+    slice_fn, slice_src = slice_byte_blocks()
+    sp = send_path_of(g, pools, pages, dev, slice_fn)
+    torch.cuda.synchronize()
+    bytes_mid, bytes_last = sp.bytes(False), sp.bytes(True)
+    link_mid, link_last = bytes_mid / LINK_BPS, bytes_last / LINK_BPS
+    blocks_mid, blocks_last = sp.blocks(False), sp.blocks(True)
+
+    forward = torch.cuda.Stream()
+    flush_buf = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
+
+    def kv_written():
+        """The L2 flush stands for the forward's KV writes: the event the digest must wait on."""
+        with torch.cuda.stream(forward):
+            flush_buf.fill_(1)
+            e = torch.cuda.Event()
+            e.record(forward)
+        e.synchronize()
+        return e
+
+    def jit(fn):
+        """``fn`` with the DeviceDigest launching through Triton's JIT (its fallback)."""
+        def run_jit(e):
+            direct, dig._direct = dig._direct, None
+            try:
+                fn(e)
+            finally:
+                dig._direct = direct
+        return run_jit
+
+    def timed(variants):
+        """Every variant once per repetition, in a rotating order (drift of the machine's clocks
+        or load falls on all of them alike). A variant is (fn(event), stream to put its CUDA
+        events on, optional untimed fn run after it); fn may return the host clock at its
+        ``flush`` call (the shipped variants), which splits its wall time."""
+        out = {name: dict(wall=[], gpu=[], before_flush=[], flush=[]) for name in variants}
+        names = list(variants)
+        for i in range(args.warmup + args.reps):
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                fn, stream, after = variants[name]
+                e = kv_written()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(stream)
+                t0 = time.perf_counter()
+                split = fn(e)
+                t1 = time.perf_counter()
+                b.record(stream)
+                b.synchronize()
+                if after is not None:
+                    after()
+                if i >= args.warmup:
+                    o = out[name]
+                    o["wall"].append(t1 - t0)
+                    o["gpu"].append(a.elapsed_time(b) / 1e3)
+                    if isinstance(split, float):
+                        o["before_flush"].append(split - t0)
+                        o["flush"].append(t1 - split)
+        res = {}
+        for name, o in out.items():
+            res[name] = dict(wall_s=summary(o["wall"]), gpu_s=summary(o["gpu"]))
+            if o["flush"]:
+                res[name]["wall_before_flush_s"] = summary(o["before_flush"])
+                res[name]["wall_flush_s"] = summary(o["flush"])
+        return res
+
+    room = {"now": None}
+
+    def shipped(last):
+        def fn(e):
+            room["now"] = next(sp.rooms)
+            return sp.chunk(room["now"], e, last)
+        return fn
+
+    def prebuilt(blocks):
+        def fn(e):
+            room["now"] = next(sp.rooms)
+            return sp.add_and_flush(room["now"], e, blocks)
+        return fn
+
+    def pop():
+        sp.pop(room["now"])
+
+    chunk_call = lambda e: dig.digest(chunk, chunk_keys, wait_events=(e,))  # noqa: E731
+    results = timed({
+        "shipped_send_path_middle_chunk": (shipped(False), sp.stream, pop),
+        "shipped_send_path_last_chunk": (shipped(True), sp.stream, pop),
+        "shipped_add_blocks_flush_middle_chunk": (prebuilt(blocks_mid), sp.stream, pop),
+        "shipped_add_blocks_flush_last_chunk": (prebuilt(blocks_last), sp.stream, pop),
+        "direct_call_formula_blocks": (chunk_call, dig.stream, None),
+        "direct_call_formula_blocks_jit_launch": (jit(chunk_call), dig.stream, None),
+        "direct_calls_per_rank_formula_blocks": (
+            lambda e: [dig.digest(b, keys, wait_events=(e,)) for b in per_rank], dig.stream, None),
+        "direct_call_formula_blocks_mla_once": (
+            lambda e: dig.digest(mla_once, chunk_keys, wait_events=(e,)), dig.stream, None),
+        # The fixed part of a call: zeros and keys up, sums down, synchronize (no launch).
+        "direct_call_empty": (
+            lambda e: dig.digest(kd.Blocks.empty(), chunk_keys, wait_events=(e,)), dig.stream, None),
+    })  # fmt: skip
+    direct = dig._direct
+
+    # Where the shipped flush's time goes: the engine call (DigestEngine.digest, inside the
+    # flush) against the rest of the flush (concat of the queued blocks, slot shifts, keys, the
+    # sums into the rooms' contributions), host clock; the engine call wrapped only in this pass.
+    def flush_breakdown(last):
+        engine = sp.engine
+        real, calls = engine.digest, []
+
+        def counted(blocks, k, wait_events=()):
+            t0 = time.perf_counter()
+            out = real(blocks, k, wait_events=wait_events)
+            calls.append((time.perf_counter() - t0, blocks.count, len(k), blocks.total_bytes))
+            return out
+
+        engine.digest = counted
+        flush, eng = [], []
+        try:
+            for i in range(args.warmup + args.reps):
+                e = kv_written()
+                r = next(sp.rooms)
+                t_flush = sp.chunk(r, e, last)
+                t = time.perf_counter() - t_flush
+                sp.pop(r)
+                if i >= args.warmup:
+                    flush.append(t)
+                    eng.append(calls[-1][0])
+        finally:
+            del engine.digest
+        _, n_blocks, n_keys, n_bytes = calls[-1]
+        return dict(flush_s=summary(flush), engine_digest_s=summary(eng),
+                    flush_rest_s=summary([f - x for f, x in zip(flush, eng)]),
+                    engine_calls_per_flush=len(calls) // (args.warmup + args.reps),
+                    blocks=n_blocks, keys=n_keys, bytes=n_bytes)  # fmt: skip
+
+    results["shipped_flush_breakdown_middle_chunk"] = flush_breakdown(False)
+    results["shipped_flush_breakdown_last_chunk"] = flush_breakdown(True)
+
+    # Where a direct chunk call's time goes: DeviceDigest's own marks (host clock and an event on
+    # its stream at each step), relative to the call's start.
+    def call_steps():
+        steps = {}
+        for i in range(args.warmup + args.reps):
+            e = kv_written()
+            dig.trace = []
+            dig.digest(chunk, chunk_keys, wait_events=(e,))
+            trace, dig.trace = dig.trace, None
+            if i >= args.warmup:
+                t0, e0 = trace[0][1], trace[0][2]
+                for label, t, ev in trace[1:]:
+                    d = steps.setdefault(label, dict(host_s=[], gpu_s=[]))
+                    d["host_s"].append(t - t0)
+                    d["gpu_s"].append(e0.elapsed_time(ev) / 1e3)
+        return {k: {c: summary(v) for c, v in d.items()} for k, d in steps.items()}
+
+    results["direct_call_steps"] = call_steps()
+    dig._direct = None
+    results["direct_call_steps_jit_launch"] = call_steps()
+    dig._direct = direct
+
+    # Host part alone.
+    host = []
+    cols, shared = np.zeros(7 * chunk.count, dtype=np.int64), np.zeros(chunk.count, dtype=np.int64)
+    for i in range(args.warmup + args.reps):
+        t0 = time.perf_counter()
+        kt.fill_table(chunk, 0, chunk.count, cols, shared)
+        if i >= args.warmup:
+            host.append(time.perf_counter() - t0)
+    results["host_prep"] = dict(wall_s=summary(host))
+
+    # The kernel alone, the chunk's table on the device as the call left it.
+    dig.digest(chunk, chunk_keys)
+    plan = kt.fill_table(chunk, 0, chunk.count, cols, shared)
+    nk = len(chunk_keys)
+    keys_at = kt.STATUS + nk + nk % 2  # DeviceDigest's layout: [status | sums | keys | columns | shared]
+    cols_at = keys_at + nk + nk % 2
+    table = kt.column_table(dig.buffer[cols_at:], chunk.count)
+    split_dev = dig.buffer[cols_at + 7 * chunk.count + (7 * chunk.count) % 2 :]
+    keys_dev, sums_dev, status_dev = dig.buffer[keys_at : keys_at + nk], dig.buffer[kt.STATUS :], dig.buffer[:1]
+
+    def kernel(block_rows, num_warps, program_bytes):
+        p = kt.plan_split(cols[2 * chunk.count : 3 * chunk.count], cols[3 * chunk.count : 4 * chunk.count],
+                          shared, program_bytes=program_bytes)  # fmt: skip
+        n_split, split = p.n_split, p.split
+        samples = []
+        for i in range(args.warmup + args.reps):
+            kv_written()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(dig.stream):
+                a.record(dig.stream)
+                kt.launch(table, keys_dev, sums_dev, chunk.count, split_dev, p, status_dev,
+                          block_rows=block_rows, num_warps=num_warps)  # fmt: skip
+                b.record(dig.stream)
+            b.synchronize()
+            if i >= args.warmup:
+                samples.append(a.elapsed_time(b) / 1e3)
+        s = summary(samples)
+        return dict(block_rows=block_rows, block_c=kt.BLOCK_C, num_warps=num_warps,
+                    program_bytes=program_bytes, split=split, n_split=n_split, programs=n_split * split + chunk.count, gpu_s=s,
+                    GBps_median=chunk_bytes / s["median"] / 1e9)  # fmt: skip
+
+    # The host's share of a call, step by step (each timed alone, host clock).
+    def host_time(fn, sync=True):
+        samples = []
+        for i in range(args.warmup + args.reps):
+            t0 = time.perf_counter()
+            fn()
+            t = time.perf_counter() - t0
+            if sync:
+                dig.stream.synchronize()
+            if i >= args.warmup:
+                samples.append(t)
+        return summary(samples)
+
+    end = cols_at + 7 * chunk.count + (7 * chunk.count) % 2 + plan.n_split
+    micro = dict(pinned=[dig.host_buffer.is_pinned(), dig.host_buffer[8:end].is_pinned()],
+                 upload_bytes=end * 8, direct_launch=dig._direct is not None)  # fmt: skip
+    with torch.cuda.stream(dig.stream):
+        micro["upload_call"] = host_time(
+            lambda: dig.buffer[:end].copy_(dig.host_buffer[:end], non_blocking=True))
+        micro["launch_call_jit"] = host_time(
+            lambda: kt.launch(table, keys_dev, sums_dev, chunk.count, split_dev, plan, status_dev))
+        micro["launch_call_shipped"] = host_time(
+            lambda: dig._launch(table, keys_dev, sums_dev, status_dev, chunk.count, split_dev, plan))
+        micro["download_and_sync"] = host_time(
+            lambda: (dig.host_buffer[: kt.STATUS + nk].copy_(dig.buffer[: kt.STATUS + nk], non_blocking=True),
+                     dig.stream.synchronize()))  # fmt: skip
+
+    def stream_context():
+        with torch.cuda.stream(dig.stream):
+            pass
+
+    micro["stream_context"] = host_time(stream_context, sync=False)
+    micro["keys_to_int64"] = host_time(lambda: np.asarray(chunk_keys, dtype=np.int64) & 0xFFFFFFFF, sync=False)
+    results["host_steps"] = micro
+
+    shipped = (kt.BLOCK_R, kt.NUM_WARPS, kt.PROGRAM_BYTES)
+    results["kernel_alone"] = kernel(*shipped)
+    sweep = []
+    for br, nw in ((8, 4), (16, 4), (16, 8), (32, 4), (32, 8)):
+        for pb in (512 << 10, 1 << 20):
+            if (br, nw, pb) != shipped:
+                sweep.append(kernel(br, nw, pb))
+    sweep.append(results["kernel_alone"])
+    sweep.sort(key=lambda k: k["gpu_s"]["median"])
+    results["kernel_sweep"] = [{k: v for k, v in s.items() if k != "gpu_s"} | {
+        "gpu_s": {k: v for k, v in s["gpu_s"].items() if k != "samples"}} for s in sweep]
+    copy_src = torch.empty(chunk_bytes // 2, dtype=torch.uint8, device=dev)
+    copy_dst = torch.empty_like(copy_src)
+    cs = []
+    for i in range(args.warmup + args.reps):
+        kv_written()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        copy_dst.copy_(copy_src)
+        b.record()
+        b.synchronize()
+        if i >= args.warmup:
+            cs.append(a.elapsed_time(b) / 1e3)
+    results["d2d_copy_half_the_bytes"] = dict(
+        bytes=copy_src.numel(), gpu_s=summary(cs),
+        GBps_read_plus_write=2 * copy_src.numel() / statistics.median(cs) / 1e9)  # fmt: skip
+
+    over = {"shipped_send_path_last_chunk": link_last, "shipped_add_blocks_flush_last_chunk": link_last}
+    for name in ("shipped_send_path_middle_chunk", "shipped_send_path_last_chunk",
+                 "shipped_add_blocks_flush_middle_chunk", "shipped_add_blocks_flush_last_chunk",
+                 "direct_call_formula_blocks", "direct_call_formula_blocks_jit_launch",
+                 "direct_calls_per_rank_formula_blocks", "direct_call_formula_blocks_mla_once"):
+        for clock in ("wall_s", "gpu_s"):
+            s = results[name][clock]
+            link = over.get(name, link_mid)
+            s["over_link_time"] = s["median"] / link
+            s["over_link_time_min_max"] = [s["min"] / link, s["max"] / link]
+    results["kernel_alone"]["over_link_time"] = results["kernel_alone"]["gpu_s"]["median"] / link_s
+
+    # -- checks -------------------------------------------------------------------------------
+    checks = {}
+    got_chunk = dig.digest(chunk, chunk_keys)
+    got_ranks = [dig.digest(b, keys) for b in per_rank]
+    checks["chunk_call_equals_per_rank_calls"] = all(
+        (got_chunk[i * spr : (i + 1) * spr] == got_ranks[i]).all() for i in range(n_ranks))
+    mla_slots = g.mla_decode_index
+    checks["mla_sums_equal_over_the_8_decode_ranks"] = all(
+        (got_ranks[i][mla_slots] == got_ranks[0][mla_slots]).all() for i in range(n_ranks))
+    checks["mla_once_equals_chunk"] = bool(
+        (dig.digest(mla_once, chunk_keys)[: spr] == got_chunk[:spr]).all())
+    small = kt.DeviceDigest(dev, max_blocks=1000, max_slots=args.max_slots)
+    small.warm()
+    checks["pieces_of_1000_blocks_equal_one_launch"] = bool((small.digest(chunk, chunk_keys) == got_chunk).all())
+    t0 = time.perf_counter()
+    mla_cpu = [p.cpu() for p in mla_pools]
+    draft_cpu = [p.cpu() for p in draft_pools]
+    r0 = g.decode_ranks[0]
+    host_blocks = rank_blocks(g, r0, [p.data_ptr() for p in mla_cpu], [p.data_ptr() for p in draft_cpu], pages)
+    want = kd.digest_blocks_host(host_blocks, keys)
+    checks["host_reference"] = dict(
+        decode_rank=r0, blocks=host_blocks.count, bytes=host_blocks.total_bytes,
+        slots_touched=int(np.count_nonzero(want)), equal=bool((want == got_ranks[0]).all()),
+        host_s=time.perf_counter() - t0,
+    )  # fmt: skip
+    # One flipped byte: draft entry 3, the chunk's 5th page, row 7, in rank 0's head.
+    byte = draft_pools[3].view(torch.uint8).reshape(-1)
+    at = ((int(pages[0][4]) * g.page + 7) * g.prefill_heads + g.local_head[r0]) * g.head_dim * 2 + 33
+    byte[at] ^= 0x01
+    flipped = dig.digest(per_rank[0], keys)
+    byte[at] ^= 0x01
+    changed = np.flatnonzero(flipped != got_ranks[0]).tolist()
+    checks["flipped_byte"] = dict(changed_slots=changed,
+                                  expected_slot=g.full_attention_layers + 3,
+                                  restored_equal=bool((dig.digest(per_rank[0], keys) == got_ranks[0]).all()))  # fmt: skip
+    too_many = None
+    try:
+        dig.digest(kd.Blocks.empty(), [1] * (args.max_slots + 1))
+    except ValueError as e:
+        too_many = str(e)
+    checks["more_keys_than_max_slots"] = too_many
+
+    # -- the shipped path's sums --------------------------------------------------------------
+    def contribution_of(sums):
+        """What Contribution.add_slots keeps of one decode rank's KV slots: the touched ones."""
+        return {(int(kd.BufferKind.KV), i): int(v) for i, v in enumerate(sums) if int(v)}
+
+    e = kv_written()
+    r_mid = next(sp.rooms)
+    sp.chunk(r_mid, e, False)
+    mid = sp.pop(r_mid)
+    r_last = next(sp.rooms)
+    sp.chunk(r_last, kv_written(), True)
+    last = dict(sp.pop(r_last))
+    checks["shipped_middle_chunk_equals_direct_formula"] = all(
+        mid[r].sums == contribution_of(got_ranks[i]) for i, r in enumerate(g.decode_ranks))
+    kv_kind = int(kd.BufferKind.KV)
+    checks["shipped_last_chunk_kv_equals_middle_chunk"] = all(
+        {k: v for k, v in last[r].sums.items() if k[0] == kv_kind} == mid[r].sums for r in g.decode_ranks)
+    checks["shipped_sender"] = [last[g.decode_ranks[0]].sender.pp_rank, last[g.decode_ranks[0]].sender.tp_rank,
+                                last[g.decode_ranks[0]].sender.rank_id]  # fmt: skip
+    t0 = time.perf_counter()
+    conv_cpu, temporal_cpu = pools.conv.cpu(), pools.temporal.cpu()
+    decode_side = {}
+    for r in (g.decode_ranks[0], g.decode_ranks[-1]):
+        sp.popped = last
+        compared, equal, moved = decode_side_state(g, sp, r, conv_cpu, temporal_cpu, torch, slice_fn)
+        decode_side[str(r)] = dict(state_buffers_compared=compared, equal=equal, bytes_moved=moved)
+    checks["decode_side_state_digest_equals_sender"] = dict(ranks=decode_side, host_s=time.perf_counter() - t0)
+    checks["shipped_failures_concluded"] = len(sp.failures)
+
+    # -- nothing allocated or compiled while serving -------------------------------------------
+    def compiled():
+        try:
+            return sum(len(c[0]) for c in kt._digest_kernel.device_caches.values())
+        except Exception:  # another Triton's layout
+            return None
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    compiled_before = compiled()
+    for i in range(100):
+        dig.digest(chunk if i % 2 else per_rank[i % n_ranks], chunk_keys if i % 2 else keys)
+    for i in range(100):  # the shipped path, middle and last chunks
+        room_i = next(sp.rooms)
+        sp.chunk(room_i, None, bool(i % 2))
+        sp.pop(room_i)
+    torch.cuda.synchronize()
+    checks["after_warm_100_digests_and_100_shipped_flushes"] = dict(
+        cuda_allocations=torch.cuda.memory_stats()["allocation.all.allocated"] - before,
+        kernel_variants_compiled=None if compiled_before is None else compiled() - compiled_before,
+        kernel_variants_total=compiled(),
+    )  # fmt: skip
+
+    report = dict(
+        provenance=provenance.record(
+            repetitions=args.reps, warmup=args.warmup, timed_sources=TIMED,
+            timed=("shipped_*: per chunk, for the 8 decode ranks, transfer_chunk.begin (the chunk's "
+                   "KV-written event as wait_event), the target MLA descriptors through "
+                   "kv_digest_send.scope + batch_transfer_sync_around (BufferTable.blocks, "
+                   "add_blocks), the draft's DraftSend.check_pages + add_blocks(mooncake_draft_kv."
+                   "_digest_blocks), on the last chunk the KDA state descriptors through a STATE "
+                   "scope, then kv_digest_send.flush (one DigestEngine.digest: DeviceDigest table "
+                   "fill, one H2D, launch, D2H, stream synchronize; the sums into the rooms' "
+                   "Contributions); add_blocks_flush: add_blocks of prebuilt blocks + flush. "
+                   "direct_*: DeviceDigest.digest on this script's own blocks. Each after an L2 "
+                   "flush on another stream whose event the digest waits on; wall = perf_counter "
+                   "around the call, gpu = CUDA events on the digest stream around it; kernel = "
+                   "events around the launch"),
+            not_timed=("sglang's own send code (its descriptors are built before timing: sglang "
+                       "cannot be installed on the GPU machine), the transfer itself (the ratio's "
+                       "denominator is bytes / 50 GB/s), send_aux's ZMQ message of the sums, the "
+                       "decode's digest"),
+            stand_ins=("the KV manager (a SimpleNamespace with _dflash_kv_digest = SendDigest("
+                       "DigestEngine(cuda), Sender(7, 3, 31)), decode_kv_args_table, engine, "
+                       "conclude_failure, kv_args), the decode registrations (SimpleNamespace("
+                       "dst_kv_ptrs, dst_state_data_ptrs) with fake decode bases), Mooncake's "
+                       "batch_transfer_sync (a no-op under the hook)"),
+            state_slicing=slice_src,
+            sglang_imported=[m for m in sys.modules if m == "sglang" or m.startswith("sglang.")][:5],
+        ),  # fmt: skip
+        geometry=dict(
+            example="kimi-k3", prefill=f"TP{g.p_tp} x PP{g.pp}", decode=f"TP{g.d_tp}",
+            prefill_rank=PREFILL_RANK, stage=STAGE, stage_layers=g.stage_layers,
+            mla_stage_layers=g.mla_stage_layers, mla_decode_index=g.mla_decode_index,
+            mla_bytes_per_token_per_layer=g.mla_token_bytes, page_size=g.page,
+            chunk_tokens=g.chunk_tokens, chunk_pages=g.pages, run_pages=RUN_PAGES,
+            draft_entries=g.draft_entries, draft_kv_heads=g.kv_heads,
+            draft_heads_prefill_rank=g.prefill_heads, draft_heads_decode_rank=g.decode_heads,
+            head_dim=g.head_dim, decode_ranks=g.decode_ranks, slots_per_decode_rank=spr,
+            blocks_chunk=chunk.count, blocks_per_rank=per_rank[0].count,
+            blocks_per_rank_mla=rank_blocks(g, r0, mla_bases, draft_bases, pages, draft=False).count,
+            bytes_chunk=chunk_bytes,
+            bytes_per_rank_mla=rank_blocks(g, r0, mla_bases, draft_bases, pages, draft=False).total_bytes,
+            bytes_per_rank_draft=rank_blocks(g, r0, mla_bases, draft_bases, pages, mla=False).total_bytes,
+            bytes_chunk_mla_once=mla_once.total_bytes, link_GBps=LINK_BPS / 1e9,
+            link_time_s=link_s, goal_ratio=GOAL,
+            shipped=dict(
+                descriptors_per_rank_mla=len(sp.mla[r0][0]), bytes_per_rank_mla=sum(sp.mla[r0][2]),
+                draft_blocks_per_rank=blocks_mid[r0][1].count, bytes_per_rank_draft=blocks_mid[r0][1].total_bytes,
+                state_descriptors_per_rank=len(sp.state[r0][0]), bytes_per_rank_state=sum(sp.state[r0][2]),
+                state_descriptor_lengths=sorted(set(sp.state[r0][2])),
+                blocks_middle_chunk=sum(b.count for p in blocks_mid.values() for b in p),
+                blocks_last_chunk=sum(b.count for p in blocks_last.values() for b in p),
+                keys_middle_chunk=results["shipped_flush_breakdown_middle_chunk"]["keys"],
+                keys_last_chunk=results["shipped_flush_breakdown_last_chunk"]["keys"],
+                bytes_middle_chunk=bytes_mid, bytes_last_chunk=bytes_last,
+                link_time_middle_chunk_s=link_mid, link_time_last_chunk_s=link_last,
+                digest_engine_startup_s=sp.startup_s,
+                draft_regime=sp.sends[r0].regime.value, draft_action=sp.sends[r0].plan.action.value,
+            ),
+            kda_state=dict(
+                derivation=STATE_DERIVATION,
+                linear_attn_config={k: v for k, v in g.linear_attn_config.items() if not k.endswith("layers")},
+                kda_layers_total=len(g.kda_layers), kda_stage_layers=g.kda_stage_layers,
+                prefill_rank_tp4=g.state_p, decode_rank_tp32=g.state_d,
+                prefill_state_slots=STATE_SLOTS, src_state_slot=SRC_STATE_SLOT,
+                dst_state_slot=DST_STATE_SLOT,
+                bytes_per_decode_rank=sum(sp.state[r0][2]),
+                bytes_per_decode_rank_formula=len(g.kda_stage_layers) * (
+                    g.state_d["conv_item_bytes"] + g.state_d["temporal_item_bytes"]),
+            ),
+            direct_launch=None if dig._direct is None else dict(extra_args=list(dig._direct[1])),
+            device_digest=dict(max_blocks=args.max_blocks, max_slots=args.max_slots,
+                               block_rows=kt.BLOCK_R, block_c=kt.BLOCK_C, num_warps=kt.NUM_WARPS,
+                               split_bytes=kt.SPLIT_BYTES, program_bytes=kt.PROGRAM_BYTES,
+                               startup_s=startup_s),
+        ),  # fmt: skip
+        results=results,
+        checks=checks,
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    brief = {k: {c: {x: v[c][x] for x in ("median", "min", "max", "over_link_time") if x in v[c]}
+                 for c in ("wall_s", "gpu_s") if c in v} for k, v in results.items() if isinstance(v, dict)}
+    print(json.dumps(dict(link_s=link_s, bytes=chunk_bytes, bytes_middle=bytes_mid, bytes_last=bytes_last,
+                          brief=brief, checks=checks), indent=1))
+    print(json.dumps(results["kernel_sweep"][:6], indent=1))
+
+
+def us(s):
+    return f"{s['median'] * 1e6:.0f} ({s['min'] * 1e6:.0f}-{s['max'] * 1e6:.0f})"
+
+
+# What was tried on the way to the shipped kernel (earlier versions, one H200 run each; the figures
+# are those runs' medians for the one-call chunk digest / the kernel; prefill rank 1, the direct
+# call on this script's own blocks).
+TRIED = (
+    "Tried on the way (one H200 run each, direct one-call wall / kernel medians in µs): a grid of "
+    "(block, tile) programs with the large blocks moved to the front by an argsort, a [32, 64] tile "
+    "per 4 warps, per-word masks and offset hashes, scalar loads: 1811 / 1072 (18% of the link time; "
+    "the sweep's best tile, [16, 64] per 8 warps: 451); the shared blocks listed instead of reordered, "
+    "a mask-free fast path (the offset's high half hashed once per block, c1 a per-tile scalar plus a "
+    "loop-invariant part) with 16-byte vector loads: 589 / 280; one upload for sums, keys and table "
+    "(no zeroing launch): 544 / 261; Triton's compiled kernel launched directly (its JIT launch cost "
+    "55 µs of host time), the table validated by the kernel instead of numpy, [16, 64] per 4 warps "
+    "and 1 MiB per program: 391 / 219. The shipped kernel, 50 repetitions after 10, each variant "
+    "measured in one stretch: 434 / 224, and right after a machine start 494 (371-630) / 218, its "
+    "first samples slow: hence 100 repetitions after 30, the variants in turn."
+)
+
+
+def section(r, name="kv_digest_cost.json"):
+    """The README section (``benchmark/gpu/results/README.md``, via ``report.py``) of a result."""
+    from report import origin
+
+    g, res, c = r["geometry"], r["results"], r["checks"]
+    sh, st = g["shipped"], g["kda_state"]
+    p, d = st["prefill_rank_tp4"], st["decode_rank_tp32"]
+    links = {k: sh["link_time_last_chunk_s"] if "last" in k else sh["link_time_middle_chunk_s"] for k in res}
+
+    def share(key, clock="wall_s"):
+        v, link = res[key][clock], links[key]
+        return f"{100 * v['median'] / link:.1f}% ({100 * v['min'] / link:.1f}-{100 * v['max'] / link:.1f}%)"
+
+    def shape(s, which):
+        return "[" + ", ".join(str(x) for x in s[f"{which}_shape"]) + "]"
+
+    k = res["kernel_alone"]
+    cs = c["decode_side_state_digest_equals_sender"]["ranks"]
+    after = c["after_warm_100_digests_and_100_shipped_flushes"]
+    out = [
+        f"## The composed KV digest, one {g['chunk_tokens']}-token chunk of Kimi-K3's last PP stage "
+        f"({g['prefill']} -> {g['decode']}), through the shipped send path",
+        "",
+        *(line.replace(f"`{name}`", f"[`{name}`]({name})", 1) for line in origin(name, r["provenance"])),
+        "",
+        f"Timed: {r['provenance']['timed']}. Not timed: {r['provenance']['not_timed']}. Stand-ins: "
+        f"{r['provenance']['stand_ins']}.",
+        "",
+        f"Prefill rank {g['prefill_rank']} -> decode ranks {g['decode_ranks'][0]}..{g['decode_ranks'][-1]}; per "
+        f"decode rank {sh['descriptors_per_rank_mla']} target MLA descriptors (one per layer per page run, "
+        f"sglang's `_send_kvcache_generic`) of the stage's {len(g['mla_stage_layers'])} MLA layers, "
+        f"{sh['bytes_per_rank_mla'] / 1e6:.1f} MB, and {sh['draft_blocks_per_rank']:,} draft blocks "
+        f"(the decode's head in strided rows, one block per entry and run of pages contiguous on both sides, "
+        f"`draft_kv_plan.digest_blocks_of`) "
+        f"of the {g['draft_entries']} draft entries, {sh['bytes_per_rank_draft'] / 1e6:.1f} MB; on the last "
+        f"chunk also {sh['state_descriptors_per_rank']} KDA state descriptors "
+        f"({sh['bytes_per_rank_state']:,} B). Chunk: {sh['blocks_middle_chunk']:,} blocks and "
+        f"{sh['keys_middle_chunk']:,} slots, {sh['bytes_middle_chunk'] / 1e6:.1f} MB = "
+        f"{sh['link_time_middle_chunk_s'] * 1e3:.2f} ms at {g['link_GBps']:.0f} GB/s (middle chunk); "
+        f"{sh['blocks_last_chunk']:,} blocks and {sh['keys_last_chunk']:,} slots, "
+        f"{sh['bytes_last_chunk'] / 1e6:.1f} MB = {sh['link_time_last_chunk_s'] * 1e3:.2f} ms (last chunk, "
+        "with the state).",
+        "",
+        f"KDA state ({len(st['kda_stage_layers'])} of the {st['kda_layers_total']} KDA layers in the stage; "
+        f"sglang's `KimiLinearStateShape` for `linear_attn_config` heads "
+        f"{st['linear_attn_config']['num_heads']}, head_dim {st['linear_attn_config']['head_dim']}, conv "
+        f"kernel {st['linear_attn_config']['short_conv_kernel_size']}): per layer and slot, the conv state "
+        f"{shape(p, 'conv')} bf16 = {p['conv_item_bytes']:,} B and the recurrent state "
+        f"{shape(p, 'temporal')} fp32 = {p['temporal_item_bytes']:,} B on a TP4 prefill rank, "
+        f"{shape(d, 'conv')} = {d['conv_item_bytes']:,} B and {shape(d, 'temporal')} = "
+        f"{d['temporal_item_bytes']:,} B on a TP32 decode rank; `_send_mamba_state_slice` sends each "
+        f"decode rank per layer its 9 conv pieces (3 rows x q, k, v) and one recurrent-state slice "
+        f"(descriptor lengths {', '.join(f'{n:,}' for n in sh['state_descriptor_lengths'])} B; slicing "
+        f"on the GPU machine: {r['provenance']['state_slicing']}).",
+        "",
+        "Microseconds, median (min-max); share = digest wall time / link time of the chunk's bytes (goal < 5%).",
+        "",
+        "| what | wall | GPU (events) | share of link time |",
+        "|---|---|---|---|",
+    ]
+    rows = [
+        ("**shipped send path, middle chunk** (descriptors -> blocks, `add_blocks`, `flush`)", "shipped_send_path_middle_chunk"),
+        ("**shipped send path, last chunk** (with the KDA state)", "shipped_send_path_last_chunk"),
+        ("`add_blocks` (blocks built beforehand) + `flush`, middle chunk", "shipped_add_blocks_flush_middle_chunk"),
+        ("`add_blocks` + `flush`, last chunk", "shipped_add_blocks_flush_last_chunk"),
+        ("direct `DeviceDigest.digest`, one call, this script's blocks (middle chunk)", "direct_call_formula_blocks"),
+        ("the same through Triton's JIT launch (the fallback)", "direct_call_formula_blocks_jit_launch"),
+        ("direct, 8 calls, one per decode rank", "direct_calls_per_rank_formula_blocks"),
+        ("direct, one call, the MLA blocks once (their sums are equal on the 8 ranks)", "direct_call_formula_blocks_mla_once"),
+    ]  # fmt: skip
+    for label, key in rows:
+        out.append(f"| {label} | {us(res[key]['wall_s'])} | {us(res[key]['gpu_s'])} | {share(key)} |")
+    out.append(f"| kernel alone, middle chunk | - | {us(k['gpu_s'])} | "
+               f"{100 * k['gpu_s']['median'] / g['link_time_s']:.1f}% |")  # fmt: skip
+    verdict = lambda key: "met" if res[key]["wall_s"]["median"] < GOAL * links[key] else "not met"  # noqa: E731
+    out += ["", f"Goal < {100 * GOAL:.0f}% of the link time through the shipped path: middle chunk "
+            f"{verdict('shipped_send_path_middle_chunk')}, last chunk {verdict('shipped_send_path_last_chunk')}."]
+    prev = r.get("previous_run")
+    if prev:
+        pp = prev["provenance"]
+        pr = prev["results"]
+        out += ["", f"The previous run of this file ({pp['date_utc']}, commit `{pp['project']['commit'][:12]}`, "
+                f"prefill rank {prev['prefill_rank']} -> decode ranks {prev['decode_ranks'][0]}.."
+                f"{prev['decode_ranks'][-1]}, direct variants only; summaries kept under `previous_run`): "
+                f"direct one call {us(pr['direct_call_formula_blocks']['wall_s'])}, 8 calls "
+                f"{us(pr['direct_calls_per_rank_formula_blocks']['wall_s'])}, MLA once "
+                f"{us(pr['direct_call_formula_blocks_mla_once']['wall_s'])}, kernel alone "
+                f"{us(pr['kernel_alone']['gpu_s'])}."]
+    bm, bl = res["shipped_flush_breakdown_middle_chunk"], res["shipped_flush_breakdown_last_chunk"]
+    sm, sl = res["shipped_send_path_middle_chunk"], res["shipped_send_path_last_chunk"]
+    out += [
+        "",
+        f"Where the shipped path's time goes (wall, µs): before `flush` (descriptors resolved, draft "
+        f"blocks built, `add_blocks`) {us(sm['wall_before_flush_s'])} middle / {us(sl['wall_before_flush_s'])} "
+        f"last; `flush` {us(sm['wall_flush_s'])} / {us(sl['wall_flush_s'])}, of which (a separate pass) "
+        f"the engine call {us(bm['engine_digest_s'])} / {us(bl['engine_digest_s'])} and the rest (concat, "
+        f"slot shifts, the sums into the rooms' contributions) {us(bm['flush_rest_s'])} / "
+        f"{us(bl['flush_rest_s'])}; {bm['engine_calls_per_flush']} engine call per flush.",
+        "",
+        f"Kernel: {k['GBps_median']:.0f} GB/s of digested bytes (device copy: "
+        f"{res['d2d_copy_half_the_bytes']['GBps_read_plus_write']:.0f} GB/s read + write), tile "
+        f"{k['block_rows']} x {k['block_c']} words, {k['num_warps']} warps; tile shapes swept (median "
+        "µs): " + ", ".join(f"{s['block_rows']}x{s['block_c']}/{s['num_warps']}w/{s['program_bytes'] >> 10}K "
+                           f"{s['gpu_s']['median'] * 1e6:.0f}" for s in res["kernel_sweep"][:5]) + ", ...",
+        "",
+        f"Checks on the H200: the shipped middle chunk's sums per decode rank equal the direct digest "
+        f"of this script's blocks: {c['shipped_middle_chunk_equals_direct_formula']}; the last chunk's "
+        f"KV sums equal the middle chunk's: {c['shipped_last_chunk_kv_equals_middle_chunk']}; the "
+        f"decode's own digest of its state slot after the state descriptors' bytes landed (host model, "
+        f"`kv_digest_verify.request_blocks`) equals the sender's state sums: "
+        + ", ".join(f"decode rank {rk} {v['equal']} ({v['state_buffers_compared']} buffers, "
+                    f"{v['bytes_moved']:,} B)" for rk, v in cs.items())
+        + f"; failures concluded: {c['shipped_failures_concluded']}; the direct digest equals "
+        f"`digest_blocks_host` over `tensor.cpu()` copies for decode rank "
+        f"{c['host_reference']['decode_rank']} ({c['host_reference']['blocks']:,} blocks): "
+        f"{c['host_reference']['equal']}; one call equals the per-rank calls: "
+        f"{c['chunk_call_equals_per_rank_calls']}; in pieces of 1000 blocks: "
+        f"{c['pieces_of_1000_blocks_equal_one_launch']}; a flipped byte changed slots "
+        f"{c['flipped_byte']['changed_slots']} (expected [{c['flipped_byte']['expected_slot']}]); after "
+        f"`warm()`, 100 direct digests and 100 shipped flushes made {after['cuda_allocations']} CUDA "
+        f"allocations and compiled {after['kernel_variants_compiled']} kernels; sglang modules imported: "
+        f"{r['provenance']['sglang_imported'] or 'none'}.",
+    ]
+    x = r.get("sglang_cross_check")
+    if x:
+        out += [
+            "",
+            f"Checked against sglang {x['sglang']} itself (`--check-sglang`, {x['date_utc']}, CPU): "
+            + "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in x["checks"].items()) + ".",
+        ]
+    out += ["", TRIED, ""]
+    return out
+
+
+def render(path):
+    print("\n".join(section(json.load(open(path)), os.path.basename(path))))
+
+
+# The earlier result file's variants (before the shipped-path variants) and their names here.
+PREVIOUS_NAMES = {"chunk": "direct_call_formula_blocks",
+                  "chunk_jit_launch": "direct_call_formula_blocks_jit_launch",
+                  "per_rank": "direct_calls_per_rank_formula_blocks",
+                  "chunk_mla_once": "direct_call_formula_blocks_mla_once",
+                  "empty_call": "direct_call_empty", "kernel": "kernel_alone"}  # fmt: skip
+
+
+def keep_previous(path, previous):
+    """Copy the summaries (not the samples) of an earlier result file's direct variants into
+    ``path`` as ``previous_run``, under this file's names, with that run's provenance."""
+    old, r = json.load(open(previous)), json.load(open(path))
+    strip = lambda v: {c: {x: v[c][x] for x in ("median", "min", "max", "n", "over_link_time") if x in v[c]}
+                       for c in ("wall_s", "gpu_s") if c in v}  # noqa: E731
+    p = old["provenance"]
+    r["previous_run"] = dict(
+        provenance={k: p[k] for k in ("date_utc", "project", "command", "device", "versions",
+                                      "repetitions", "warmup", "source_sha256")},
+        prefill_rank=old["geometry"]["prefill_rank"], decode_ranks=old["geometry"]["decode_ranks"],
+        link_time_s=old["geometry"]["link_time_s"],
+        results={new: strip(old["results"][o]) for o, new in PREVIOUS_NAMES.items() if o in old["results"]},
+    )  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(r, f, indent=1)
+
+
+def check_sglang(path):
+    """Compare this script's copies of sglang's descriptor and state arithmetic with sglang's own
+    functions (where sglang 0.5.23 is installed: the local .venv) and record it in the result."""
+    import datetime
+    import importlib.metadata
+
+    import torch  # noqa: F401  (sglang's mamba_utils needs it)
+    from sglang.srt.configs.mamba_utils import KimiLinearStateShape
+    from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
+    from sglang.srt.disaggregation.utils import (
+        build_transfer_entry_pairs,
+        compute_mamba_state_slice_byte_blocks,
+    )
+    from sglang.srt.distributed.utils import get_pp_indices
+
+    g = geometry()
+    lin = g.linear_attn_config
+    checks = {}
+    checks["pp8_partition_equals_get_pp_indices"] = [
+        list(range(*get_pp_indices(93, s, g.pp))) for s in range(g.pp)
+    ] == [list(range(sum(PP8_PARTITION[:s]), sum(PP8_PARTITION[: s + 1]))) for s in range(g.pp)]
+    same_shape = True
+    for tp, mine in ((g.p_tp, g.state_p), (g.d_tp, g.state_d)):
+        s = KimiLinearStateShape.create(tp_world_size=tp, num_heads=lin["num_heads"], head_dim=lin["head_dim"],
+                                        conv_kernel_size=lin["short_conv_kernel_size"])  # fmt: skip
+        same_shape &= ([list(s.conv[0])] == [mine["conv_shape"]] and len(s.conv) == 1
+                       and list(s.temporal) == mine["temporal_shape"]
+                       and list(s.conv_shard_groups) == mine["conv_shard_groups"]
+                       and getattr(s, "conv_slice_axis", None) == 1)  # fmt: skip
+    checks["kda_state_shapes_equal_KimiLinearStateShape"] = bool(same_shape)
+    src, dst = decode_state_ptrs(g, 100)[:16], decode_state_ptrs(g, 101)
+    checks["state_descriptors_equal_sglang_slicing"] = all(
+        state_descriptors(g, r, src, dst, mirror_slice_byte_blocks)
+        == state_descriptors(g, r, src, dst, compute_mamba_state_slice_byte_blocks)
+        for r in range(g.d_tp) if r in g.decode_ranks)  # fmt: skip
+    checks["state_pairs_equal_build_transfer_entry_pairs"] = entry_pairs(
+        g.kda_stage_layers * 2, g.kda_layers * 2) == [tuple(p) for p in build_transfer_entry_pairs(
+            g.kda_stage_layers * 2, g.kda_layers * 2, 16, 2 * len(g.kda_layers))]  # fmt: skip
+    s_pages, d_pages, _, _ = chunk_pages(g)
+    sg, dg = group_concurrent_contiguous(s_pages.astype(np.int32), d_pages.astype(np.int32))
+    item = g.page * g.mla_token_bytes
+    want = ([], [], [])
+    for base, j in zip([1 << 44, 2 << 44, 3 << 44, 4 << 44], g.mla_decode_index):
+        for a, b in zip(sg, dg):
+            want[0].append(base + a[0] * item)
+            want[1].append(decode_kv_ptrs(g, 24)[j] + b[0] * item)
+            want[2].append(item * len(a))
+    got = mla_descriptors(g, [1 << 44, 2 << 44, 3 << 44, 4 << 44], decode_kv_ptrs(g, 24), s_pages, d_pages)
+    checks["mla_descriptors_equal_group_concurrent_contiguous"] = [list(w) for w in want] == [list(x) for x in got]
+    r = json.load(open(path))
+    r["sglang_cross_check"] = dict(
+        date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        sglang=importlib.metadata.version("sglang"), command=" ".join(sys.argv), checks=checks)  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(r, f, indent=1)
+    print(json.dumps(r["sglang_cross_check"], indent=1))
+
+
+class _NoSglang:
+    """A meta-path finder that refuses every sglang import (and records it)."""
+
+    def __init__(self):
+        self.refused = set()
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "sglang" or name.startswith("sglang."):
+            self.refused.add(name)
+            raise ImportError(f"{name}: sglang is not importable here")
+        return None
+
+
+def smoke():
+    """The shipped path on CPU (DigestEngine's host digest), a small chunk: sums against the
+    formula's host digest and the decode-side state check; which sglang modules it imported."""
+    import torch
+
+    from sglang_dflash_pp.srt.disaggregation import kv_digest as kd
+
+    g = geometry()
+    pools = make_pools(g, torch.device("cpu"), 64, torch)
+    pages = chunk_pages(g, pages=2 * RUN_PAGES, pool_pages=64)
+    # sglang made unimportable while the shipped path runs (as on the GPU machine): a lazy sglang
+    # import on that path raises here.
+    hidden = {m: sys.modules.pop(m) for m in list(sys.modules) if m == "sglang" or m.startswith("sglang.")}
+    blocker = _NoSglang()
+    sys.meta_path.insert(0, blocker)
+    try:
+        sp = send_path_of(g, pools, pages, "cpu")
+        t0 = time.perf_counter()
+        sp.chunk(1, None, False)
+        mid = sp.pop(1)
+        t1 = time.perf_counter()
+        sp.chunk(2, None, True)
+        last = sp.pop(2)
+        t2 = time.perf_counter()
+    finally:
+        sys.meta_path.remove(blocker)
+        sys.modules.update(hidden)
+    imported = sorted(blocker.refused)
+    bases = [p.data_ptr() for p in pools.mla], [p.data_ptr() for p in pools.draft]
+    keys = keys_of(g)
+    ok = []
+    for r in g.decode_ranks:
+        want = kd.digest_blocks_host(rank_blocks(g, r, *bases, pages), keys)
+        ok.append(mid[r].sums == {(1, i): int(v) for i, v in enumerate(want) if int(v)})
+    side = [decode_side_state(g, sp, r, pools.conv, pools.temporal, torch) for r in g.decode_ranks]
+    print(json.dumps(dict(
+        middle_equals_formula=ok, decode_side_state=side, failures=sp.failures,
+        last_kv_equals_middle=[{k: v for k, v in last[r].sums.items() if k[0] == 1} == mid[r].sums
+                               for r in g.decode_ranks],
+        state_keys=len([k for k in last[g.decode_ranks[0]].sums if k[0] == 2]),
+        sglang_imports_refused_on_the_shipped_path=imported, host_s=[t1 - t0, t2 - t1],
+        bytes=[sp.bytes(False), sp.bytes(True)]), indent=1))  # fmt: skip
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--max-blocks", type=int, default=65536)  # kv_digest_engine's default
+    ap.add_argument("--max-slots", type=int, default=8192)
+    ap.add_argument("--render", help="print the README section of a result file")
+    ap.add_argument("--check-sglang", help="compare with sglang's own functions; record in this result file")
+    ap.add_argument("--smoke", action="store_true", help="the shipped path on CPU, a small chunk")
+    ap.add_argument("--keep-previous", nargs=2, metavar=("RESULT", "EARLIER"),
+                    help="copy an earlier result's direct-variant summaries into RESULT")
+    ap.add_argument("--geometry", action="store_true", help="print the chunk's blocks (no GPU)")
+    args = ap.parse_args()
+    if args.render:
+        return render(args.render)
+    if args.check_sglang:
+        return check_sglang(args.check_sglang)
+    if args.smoke:
+        return smoke()
+    if args.keep_previous:
+        return keep_previous(*args.keep_previous)
+    if args.geometry:
+        g = geometry()
+        fake = [1 << 40] * len(g.mla_stage_layers), [1 << 41] * g.draft_entries
+        pages = chunk_pages(g)
+        b = rank_blocks(g, g.decode_ranks[0], *fake, pages)
+        r0 = g.decode_ranks[0]
+        mla = mla_descriptors(g, [(3 + i) << 40 for i in range(4)], decode_kv_ptrs(g, r0), *pages[:2])
+        st = state_descriptors(g, r0, decode_state_ptrs(g, 100)[:16], decode_state_ptrs(g, r0))
+        print(vars(g))
+        print(dict(blocks_per_rank=b.count, bytes_per_rank=b.total_bytes,
+                   chunk_bytes=b.total_bytes * len(g.decode_ranks),
+                   link_ms=b.total_bytes * len(g.decode_ranks) / LINK_BPS * 1e3,
+                   mla_descriptors_per_rank=len(mla[0]), mla_bytes_per_rank=sum(mla[2]),
+                   state_descriptors_per_rank=len(st[0]), state_bytes_per_rank=sum(st[2]),
+                   state_lengths=sorted(set(st[2]))))  # fmt: skip
+        print(b.table()[:3], b.table()[-3:], sep="\n")
+        return
+    if not args.out:
+        ap.error("--out is required")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
