@@ -89,13 +89,22 @@ def require_hooks_applied(configuration: str) -> None:
             "registered in this process. Check that the package is installed in this "
             "environment and that SGLANG_PLUGINS (if set) lists 'dflash_pp'."
         )
-    missing = unapplied_hooks()
+    _refuse_missing(unapplied_hooks(), f"{configuration} cannot start",
+                    "Fix that error (usually a missing optional dependency of the target module) "
+                    "or run without --pp-size > 1.")  # fmt: skip
+
+
+def require_applied(hooks, configuration: str) -> None:
+    """Refuse ``configuration`` unless every hook of ``hooks`` is installed, naming the missing."""
+    _refuse_missing([h for h in hooks if not is_applied(h)], f"{configuration} needs its hooks",
+                    "Fix it before serving.")  # fmt: skip
+
+
+def _refuse_missing(missing: List[PluginHook], head: str, fix: str) -> None:
     if missing:
         lines = "\n".join(f"  - {h.name}: {h.why}" for h in missing)
         raise RuntimeError(
-            f"{configuration} cannot start: {len(missing)} sglang-dflash-pp hook(s) are not "
-            f"installed in this process:\n{lines}\n"
-            "SGLang logged the reason as 'Failed to apply hooks to <target>' above. Fix that "
-            "error (usually a missing optional dependency of the target module) or run "
-            "without --pp-size > 1."
+            f"{head}: {len(missing)} sglang-dflash-pp hook(s) are not installed in this "
+            f"process:\n{lines}\nSGLang logged the reason as 'Failed to apply hooks to "
+            f"<target>' above. {fix}"
         )

@@ -167,8 +167,10 @@ def test_other_algorithms_and_backends_record_nothing(sglang_with_plugin, algori
 
 def test_refuses_to_start_without_the_transfer_hooks(sglang_with_plugin, monkeypatch):
     q = queue_shell(pp_rank=0, pp_size=1, draft_pool=mha_pool(1, 2), backend="MOONCAKE")
+    from sglang_dflash_pp import hooks
+
     monkeypatch.setattr(
-        prefill_draft_kv, "is_applied", lambda hook: not hook.target.endswith(".send_kvcache")
+        hooks, "is_applied", lambda hook: not hook.target.endswith(".send_kvcache")
     )
     with pytest.raises(RuntimeError) as info:
         prefill_draft_kv.init_kv_manager_around(lambda self: pytest.fail("started anyway"), q)

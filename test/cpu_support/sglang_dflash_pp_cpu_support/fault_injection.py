@@ -44,22 +44,28 @@ def _ranks() -> dict:
         return {}
 
 
+def _claim(trigger: str, tag: str, record: dict) -> bool:
+    """Remove ``<dir>/<trigger>`` if it exists (the claim: of racing callers one wins) and record
+    the claim as ``<dir>/<tag>-<pid>-<n>.json``."""
+    directory = os.environ.get(ENV)
+    if not directory:
+        return False
+    try:
+        os.remove(os.path.join(directory, trigger))
+    except FileNotFoundError:
+        return False
+    path = os.path.join(directory, f"{tag}-{os.getpid()}-{next(_count)}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"pid": os.getpid(), "time": time.time(), **_ranks(), **record}, f)
+    os.replace(path + ".tmp", path)
+    return True
+
+
 def fail_next_draft_send(original, *args, **kwargs):
     """``original(manager, send plan, session, src pages, dst pages, ...)``."""
-    directory = os.environ.get(ENV)
-    if directory:
-        try:
-            os.remove(os.path.join(directory, TRIGGER))
-        except FileNotFoundError:
-            pass
-        else:
-            session = args[2] if len(args) > 2 else kwargs.get("session")
-            record = {"pid": os.getpid(), "session": str(session), "time": time.time(), **_ranks()}
-            path = os.path.join(directory, f"injected-{os.getpid()}-{next(_count)}.json")
-            with open(path + ".tmp", "w") as f:
-                json.dump(record, f)
-            os.replace(path + ".tmp", path)
-            raise RuntimeError(MESSAGE)
+    session = args[2] if len(args) > 2 else kwargs.get("session")
+    if _claim(TRIGGER, "injected", {"session": str(session)}):
+        raise RuntimeError(MESSAGE)
     return original(*args, **kwargs)
 
 
@@ -68,20 +74,9 @@ DIGEST_TRIGGER = "drop-next-digest"
 
 
 def drop_next_digest(original, manager, contribution, req, *args, **kwargs):
-    directory = os.environ.get(ENV)
-    if directory:
-        try:
-            os.remove(os.path.join(directory, DIGEST_TRIGGER))
-        except FileNotFoundError:
-            pass
-        else:
-            record = {"pid": os.getpid(), "room": int(contribution.room), "time": time.time(),
-                      "session": str(req.mooncake_session_id), **_ranks()}  # fmt: skip
-            path = os.path.join(directory, f"dropped-{os.getpid()}-{next(_count)}.json")
-            with open(path + ".tmp", "w") as f:
-                json.dump(record, f)
-            os.replace(path + ".tmp", path)
-            return None
+    record = {"room": int(contribution.room), "session": str(req.mooncake_session_id)}
+    if _claim(DIGEST_TRIGGER, "dropped", record):
+        return None
     return original(manager, contribution, req, *args, **kwargs)
 
 

@@ -46,7 +46,7 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import (
     KVComponent,
     format_heads,
 )
-from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks
+from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks, concat_columns
 
 
 class Regime(enum.Enum):
@@ -173,10 +173,7 @@ class Descriptors(NamedTuple):
 
     @classmethod
     def concat(cls, parts: Sequence["Descriptors"]) -> "Descriptors":
-        parts = [p for p in parts if len(p.src)]
-        if not parts:
-            return cls.empty()
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls._fields))
+        return concat_columns(cls, parts)
 
     @property
     def count(self) -> int:

@@ -129,6 +129,14 @@ def _check_words(*values: int) -> None:
 # -- blocks ---------------------------------------------------------------------------------
 
 
+def concat_columns(cls, parts):
+    """Parallel-array NamedTuples (``cls``, with an ``empty()``) joined column by column."""
+    parts = [p for p in parts if p[0].size]
+    if not parts:
+        return cls.empty()
+    return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls._fields))
+
+
 class Blocks(NamedTuple):
     """A digest's work as parallel int64 arrays (module docstring)."""
 
@@ -171,10 +179,7 @@ class Blocks(NamedTuple):
 
     @classmethod
     def concat(cls, parts: Sequence["Blocks"]) -> "Blocks":
-        parts = [p for p in parts if p.src.size]
-        if not parts:
-            return cls.empty()
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls._fields))
+        return concat_columns(cls, parts)
 
     @property
     def count(self) -> int:

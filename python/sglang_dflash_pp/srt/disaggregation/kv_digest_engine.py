@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -51,3 +51,15 @@ class DigestEngine:
 
     def describe(self) -> str:
         return "Triton kernel on " + str(self.device) if self._gpu is not None else "host (numpy)"
+
+
+def unsupported_state(kv_args) -> Optional[str]:
+    """Why a rank's state cannot be digested (only Mamba / KDA state is), or None."""
+    names = [getattr(st, "name", str(st)) for st in getattr(kv_args, "state_types", []) or []]
+    other = [n for n in names if n != "MAMBA"]
+    if other:
+        return (
+            f"the composed KV digest covers KV entries and Mamba/KDA state; this pool also "
+            f"transfers {', '.join(other)} state. Run without --disaggregation-enable-kv-checksum."
+        )
+    return None

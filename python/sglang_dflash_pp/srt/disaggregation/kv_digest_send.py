@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from sglang_dflash_pp.hooks import PluginHook, is_applied
+from sglang_dflash_pp.hooks import PluginHook, registered_hooks, require_applied
 from sglang_dflash_pp.srt.disaggregation import transfer_chunk
 from sglang_dflash_pp.srt.disaggregation.kv_digest import (
     Blocks,
@@ -50,6 +50,7 @@ from sglang_dflash_pp.srt.disaggregation.kv_digest import (
     encode,
     slots_of,
 )
+from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import unsupported_state
 
 logger = logging.getLogger(__name__)
 
@@ -352,18 +353,6 @@ def _is_dflash(scheduler) -> bool:
     return algorithm is not None and bool(getattr(algorithm, "is_dflash", lambda: False)())
 
 
-def unsupported_state(kv_args) -> Optional[str]:
-    """Why this rank's state cannot be digested (only Mamba / KDA state is), or None."""
-    names = [getattr(st, "name", str(st)) for st in getattr(kv_args, "state_types", []) or []]
-    other = [n for n in names if n != "MAMBA"]
-    if other:
-        return (
-            f"the composed KV digest covers KV entries and Mamba/KDA state; this pool also "
-            f"transfers {', '.join(other)} state. Run without --disaggregation-enable-kv-checksum."
-        )
-    return None
-
-
 def prefill_queue_init_after(result, self, *args, **kwargs):
     from sglang.srt.runtime_context import get_disagg
 
@@ -417,14 +406,15 @@ def peer_refusal(manager, registration) -> Optional[str]:
     return None
 
 
+# The send hooks of mooncake_draft_kv open the digest scopes and mark the worker's chunk.
+_SCOPE_OPENERS = tuple(f"MooncakeKVManager.{m}" for m in ("send_kvcache", "send_kvcache_slice",
+                                                            "transfer_worker"))  # fmt: skip
+
+
 def require_hooks() -> None:
-    missing = [h for h in HOOKS if not is_applied(h)]
-    if missing:
-        lines = "\n".join(f"  - {h.name}: {h.why}" for h in missing)
-        raise RuntimeError(
-            "--disaggregation-enable-kv-checksum on a DFLASH Mooncake prefill needs "
-            f"sglang-dflash-pp's KV digest hooks, but {len(missing)} are not installed:\n{lines}"
-        )
+    openers = [h for h in registered_hooks() if h.target.endswith(_SCOPE_OPENERS)]
+    require_applied(HOOKS + tuple(openers),
+                    "--disaggregation-enable-kv-checksum on a DFLASH Mooncake prefill")  # fmt: skip
 
 
 _MANAGER = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"

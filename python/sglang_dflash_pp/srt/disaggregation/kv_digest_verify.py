@@ -307,8 +307,10 @@ def prealloc_queue_init_after(result, self, *args, **kwargs):
         return None
     if self.transfer_backend != TransferBackend.MOONCAKE:
         return None
-    from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
-    from sglang_dflash_pp.srt.disaggregation.kv_digest_send import unsupported_state
+    from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import (
+        DigestEngine,
+        unsupported_state,
+    )
 
     manager = self.kv_manager
     if unsupported_state(manager.kv_args) is not None:

@@ -29,7 +29,7 @@ import logging
 from dataclasses import replace
 from typing import Optional
 
-from sglang_dflash_pp.hooks import PluginHook, is_applied
+from sglang_dflash_pp.hooks import PluginHook, require_applied
 from sglang_dflash_pp.srt.disaggregation.draft_kv_source import (
     describe_draft_pool,
     record_draft_kv_source,
@@ -72,16 +72,11 @@ def _require_transfer_hooks() -> None:
     )
 
     mooncake_draft_kv.check_environment()
-    hooks = mooncake_draft_kv.HOOKS + draft_kv_staging.HOOKS + kv_write_fence.HOOKS
-    missing = [h for h in hooks if not is_applied(h)]
-    if missing:
-        lines = "\n".join(f"  - {h.name}: {h.why}" for h in missing)
-        raise RuntimeError(
-            "DFLASH on a Mooncake PD prefill needs sglang-dflash-pp's draft KV transfer hooks, "
-            f"but {len(missing)} are not installed in this process:\n{lines}\nSGLang logged "
-            "the reason as 'Failed to apply hooks to <target>'; fix it before serving, or a "
-            "decode with another attention TP would receive wrong draft KV."
-        )
+    require_applied(
+        mooncake_draft_kv.HOOKS + draft_kv_staging.HOOKS + kv_write_fence.HOOKS,
+        "DFLASH on a Mooncake PD prefill (without its draft KV transfer hooks a decode with "
+        "another attention TP would receive wrong draft KV)",
+    )
 
 
 def init_kv_manager_around(original, self, *args, **kwargs):
