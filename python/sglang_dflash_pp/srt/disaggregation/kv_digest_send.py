@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from contextlib import contextmanager
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -266,23 +265,34 @@ class _ScopedExecutor:
         return getattr(self._executor, name)
 
 
-@contextmanager
-def scope(manager, session: str, executor, kind: BufferKind = BufferKind.KV):
-    """Digest what sglang's send path inside sends to ``session``; yields the executor to pass
-    it. Outside a worker chunk, or with the digest off, nothing is digested."""
-    digest = digest_of(manager)
-    room = transfer_chunk.room_of(manager)
-    registration = (getattr(manager, "decode_kv_args_table", None) or {}).get(session)
-    if digest is None or room is None or registration is None:
-        yield executor
-        return
-    current = _Scope(manager, room, session, registration, kind)
-    previous = getattr(_scope, "value", None)
-    _scope.value = current
-    try:
-        yield _ScopedExecutor(executor, current) if executor is not None else executor
-    finally:
-        _scope.value = previous
+class scope:
+    """Digest what sglang's send path inside sends to ``session``; ``with scope(...) as ex``
+    yields the executor to pass it. Outside a worker chunk, or with the digest off, nothing is
+    digested. (A class, not a generator context manager: it runs once per decode rank and send.)"""
+
+    __slots__ = ("_executor", "_current", "_previous")
+
+    def __init__(self, manager, session: str, executor, kind: BufferKind = BufferKind.KV):
+        self._executor, self._current = executor, None
+        if digest_of(manager) is None:
+            return
+        room = transfer_chunk.room_of(manager)
+        registration = (getattr(manager, "decode_kv_args_table", None) or {}).get(session)
+        if room is not None and registration is not None:
+            self._current = _Scope(manager, room, session, registration, kind)
+
+    def __enter__(self):
+        if self._current is None:
+            return self._executor
+        self._previous = getattr(_scope, "value", None)
+        _scope.value = self._current
+        ex = self._executor
+        return _ScopedExecutor(ex, self._current) if ex is not None else ex
+
+    def __exit__(self, *exc):
+        if self._current is not None:
+            _scope.value = self._previous
+        return False
 
 
 def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_addresses,

@@ -67,8 +67,11 @@ COLUMNS = 7  # the block table's columns (kv_digest.Blocks)
 BLOCK_C = 64  # words per unit: a draft head slice's row (128 x bf16), a 256 B coalesced segment
 BLOCK_R = 16  # units per tile: 8 words per thread at 4 warps (the H200 sweeps' best,
 NUM_WARPS = 4  # benchmark/gpu/results/kv_digest_cost.json: kernel_sweep)
-SPLIT_BYTES = 256 << 10  # a block larger than this is shared by several programs
-PROGRAM_BYTES = 1 << 20  # the share of a large block one program aims for (H200 sweep)
+SPLIT_BYTES = 128 << 10  # a block larger than this is shared by several programs
+# The share of a large block one program aims for. 1 MiB was best for a chunk's 12,544 blocks of
+# 503 MB (every decode rank's copy digested); the send path digests each distinct part once
+# (88 MB in 224 blocks for the same chunk), where fewer, larger blocks need finer shares.
+PROGRAM_BYTES = 128 << 10
 MAX_SPLIT = 1024
 
 

@@ -674,7 +674,11 @@ def _send_draft_entries(self, send: DraftSend, session, src_pages, dst_pages) ->
     if src_pages.size != dst_pages.size:
         raise _LocalFailure(f"{src_pages.size} prefill pages for {dst_pages.size} decode pages")
     if kv_digest_send.digest_of(self) is not None:
-        send.check_pages(src_pages)  # the digest reads the pool at these pages
+        memo = transfer_chunk.memo()  # the chunk's pages, checked once for its decode ranks
+        checked = ("pages checked", src_pages.tobytes(), int(send.src_pages.min()))
+        if checked not in memo:
+            send.check_pages(src_pages)  # the digest reads the pool at these pages
+            memo[checked] = True
         registration = self.decode_kv_args_table.get(session)
         blocks = _digest_blocks(send, src_pages, dst_pages)
         if blocks is not None:
