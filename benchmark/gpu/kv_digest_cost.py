@@ -15,7 +15,7 @@ sides. Per decode rank:
   both sides, the layers paired with the decode's entries by layer id);
 * draft entries (K and V of the 6 draft layers): ``mooncake_draft_kv._digest_blocks`` of the
   ``DraftSend`` the registration hook builds from the plugin's verdict (``peer_verdict``), i.e.
-  ``draft_kv_plan.digest_blocks_of``: the decode's head in strided rows, one block per entry and
+  ``draft_kv_digest.digest_blocks_of``: the decode's head in strided rows, one block per entry and
   page run;
 * last chunk only, the KDA state of the stage's 8 KDA layers: the descriptors sglang 0.5.23's
   ``MooncakeKVManager._send_mamba_state_slice`` builds for a prefill TP4 -> decode TP32 slice
@@ -1078,7 +1078,7 @@ def section(r, name="kv_digest_cost.json"):
         f"sglang's `_send_kvcache_generic`) of the stage's {len(g['mla_stage_layers'])} MLA layers, "
         f"{sh['bytes_per_rank_mla'] / 1e6:.1f} MB, and {sh['draft_blocks_per_rank']:,} draft blocks "
         f"(the decode's head in strided rows, one block per entry and run of pages contiguous on both sides, "
-        f"`draft_kv_plan.digest_blocks_of`) "
+        f"`draft_kv_digest.digest_blocks_of`) "
         f"of the {g['draft_entries']} draft entries, {sh['bytes_per_rank_draft'] / 1e6:.1f} MB; on the last "
         f"chunk also {sh['state_descriptors_per_rank']} KDA state descriptors "
         f"({sh['bytes_per_rank_state']:,} B). Chunk: {sh['blocks_middle_chunk']:,} blocks and "

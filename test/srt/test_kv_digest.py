@@ -27,9 +27,9 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import (
     DraftKVShape,
     KVComponent,
 )
+from sglang_dflash_pp.srt.disaggregation.draft_kv_digest import digest_blocks
 from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
     Regime,
-    digest_blocks,
     per_token_descriptors,
     plan_pair,
     prefill_ranks_for,

@@ -46,7 +46,7 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import (
     KVComponent,
     format_heads,
 )
-from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks, concat_columns
+from sglang_dflash_pp.srt.disaggregation.column_arrays import concat_columns
 
 
 class Regime(enum.Enum):
@@ -222,7 +222,7 @@ def dst_page_runs(dst_pages) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     return starts, d[starts], np.concatenate((ends, [d.size])) - starts
 
 
-def _require_writer(plan: DraftKVPairPlan) -> None:
+def require_writer(plan: DraftKVPairPlan) -> None:
     if not plan.writer:
         raise ValueError(f"not a writer: {plan.describe()}")
 
@@ -230,7 +230,7 @@ def _require_writer(plan: DraftKVPairPlan) -> None:
 def whole_page_descriptors(
     plan: DraftKVPairPlan, c: KVComponent, src_base: int, dst_base: int, src_pages, dst_pages
 ) -> Descriptors:
-    _require_writer(plan)
+    require_writer(plan)
     if plan.regime is not Regime.WHOLE_PAGES:
         raise ValueError(f"whole pages need equal heads per rank: {plan.describe()}")
     item = plan.dst.page_bytes(c)
@@ -252,7 +252,7 @@ def packed_descriptors(
     plan: DraftKVPairPlan, c: KVComponent, pack_base: int, dst_base: int, dst_pages
 ) -> Descriptors:
     """Page runs from a packed slab (``len(dst_pages)`` pages of ``width`` bytes per row)."""
-    _require_writer(plan)
+    require_writer(plan)
     if plan.regime is not Regime.PACK_SOURCE:
         raise ValueError(f"packing serves decode ranks with fewer heads: {plan.describe()}")
     item = plan.dst.page_bytes(c)  # == page_size * width(c): the decode rank's whole row
@@ -275,7 +275,7 @@ def per_token_descriptors(
     plan: DraftKVPairPlan, c: KVComponent, src_base: int, dst_base: int, src_pages, dst_pages
 ) -> Descriptors:
     """One descriptor per token row: the head slice straight from pool to pool, any regime."""
-    _require_writer(plan)
+    require_writer(plan)
     s, d = _pages(src_pages), _pages(dst_pages)
     if s.size != d.size:
         raise ValueError(f"page lists differ in length: {s.size} source, {d.size} destination")
@@ -286,72 +286,6 @@ def per_token_descriptors(
     src = (src + plan.src_offset(c)).reshape(-1)
     dst = (dst + plan.dst_offset(c)).reshape(-1)
     return Descriptors(src, dst, np.full(src.size, plan.width(c), dtype=np.int64))
-
-
-class DigestEntries(NamedTuple):
-    """What the KV digest (``kv_digest``) needs of each draft entry one pair writes, computed once
-    per decode registration: per entry, the source address of its head slice in page 0, the
-    source and destination bytes per page and per token row, the slice's destination offset in
-    a row, its width and the decode slot it lands in."""
-
-    src: np.ndarray
-    src_page: np.ndarray
-    src_row: np.ndarray
-    dst: np.ndarray
-    dst_page: np.ndarray
-    dst_row: np.ndarray
-    width: np.ndarray
-    slot: np.ndarray
-    page_size: int
-
-
-def digest_entries(plan: DraftKVPairPlan, components: Sequence[KVComponent], src_bases,
-                   slots) -> DigestEntries:  # fmt: skip
-    _require_writer(plan)
-
-    def per(f):
-        return np.asarray([f(c) for c in components], dtype=np.int64)
-
-    return DigestEntries(
-        src=np.asarray(src_bases, dtype=np.int64) + per(plan.src_offset),
-        src_page=per(plan.src.page_bytes),
-        src_row=per(plan.src.row_bytes),
-        dst=per(plan.dst_offset),
-        dst_page=per(plan.dst.page_bytes),
-        dst_row=per(plan.dst.row_bytes),
-        width=per(plan.width),
-        slot=np.asarray(slots, dtype=np.int64),
-        page_size=plan.src.page_size,
-    )
-
-
-def digest_blocks_of(entries: DigestEntries, src_pages, dst_pages) -> Blocks:
-    """The KV digest's blocks of what a pair writes of its entries, read from the pool whatever
-    the regime (a packed slab is a copy; digesting the pool also catches a pack that read stale
-    rows), at the decode offsets :func:`per_token_descriptors` writes them to. One strided
-    block per entry and run of pages consecutive on both sides: pages are token-major, so the
-    rows of a run are evenly spaced on both sides."""
-    s0, d0, n = page_runs(src_pages, dst_pages)
-    runs, e = s0.size, entries.src.size
-    src = entries.src[:, None] + s0[None, :] * entries.src_page[:, None]
-    dst = entries.dst[:, None] + d0[None, :] * entries.dst_page[:, None]
-    rows = np.broadcast_to(n[None, :] * entries.page_size, (e, runs))
-    return Blocks(
-        src.reshape(-1),
-        dst.reshape(-1),
-        np.repeat(entries.width, runs),
-        rows.reshape(-1),
-        np.repeat(entries.src_row, runs),
-        np.repeat(entries.dst_row, runs),
-        np.repeat(entries.slot, runs),
-    )
-
-
-def digest_blocks(
-    plan: DraftKVPairPlan, c: KVComponent, src_base: int, slot: int, src_pages, dst_pages
-) -> Blocks:
-    """:func:`digest_blocks_of` for one entry."""
-    return digest_blocks_of(digest_entries(plan, [c], [src_base], [slot]), src_pages, dst_pages)
 
 
 def pages_per_send(

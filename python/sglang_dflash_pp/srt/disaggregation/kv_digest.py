@@ -47,6 +47,8 @@ from typing import Dict, Iterable, List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
+from sglang_dflash_pp.srt.disaggregation.column_arrays import concat_columns
+
 M32 = 0xFFFFFFFF
 OH_MUL = 0x27D4EB2F
 OL_MUL = 0x9E3779B1
@@ -127,14 +129,6 @@ def _check_words(*values: int) -> None:
 
 
 # -- blocks ---------------------------------------------------------------------------------
-
-
-def concat_columns(cls, parts):
-    """Parallel-array NamedTuples (``cls``, with an ``empty()``) joined column by column."""
-    parts = [p for p in parts if p[0].size]
-    if not parts:
-        return cls.empty()
-    return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls._fields))
 
 
 class Blocks(NamedTuple):

@@ -79,6 +79,11 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import (
     HeadSlice,
     readers_by_slice,
 )
+from sglang_dflash_pp.srt.disaggregation.draft_kv_digest import (
+    DigestEntries,
+    digest_blocks_of,
+    digest_entries,
+)
 from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import (
     DraftKVLayoutError,
     check_page_ids,
@@ -94,10 +99,7 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import (
 )
 from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
     Descriptors,
-    DigestEntries,
     Regime,
-    digest_blocks_of,
-    digest_entries,
     dst_page_runs,
     entry_descriptors,
     pack_source_rows,

@@ -297,8 +297,8 @@ UNFINISHED = {
     "appends the draft pool (from draft_kv_source.describe_draft_pool), and "
     "MooncakeKVManager._validate_peer_state_layout calls the verdict after its stock checks "
     "and, until PR 5 sends head-aware, refuses every verdict other than STOCK. The pure "
-    "modules draft_kv_geometry, draft_kv_peer and draft_kv_plan move in-tree (draft_kv_plan "
-    "without digest_blocks, which imports the PR 16 digest module); the verdict's call-site "
+    "modules draft_kv_geometry, draft_kv_peer, column_arrays and draft_kv_plan move in-tree "
+    "(the digest's blocks are in draft_kv_digest, PR 16); the verdict's call-site "
     "code (mooncake_draft_kv.draft_kv_verdict) is hook code and must be rewritten as an "
     "in-tree method",
     "5": "head-aware send: after PR 4",
