@@ -55,6 +55,14 @@ M64 = (1 << 64) - 1
 # -- an independent oracle: the docstring's formula in plain Python ints -----------------------
 
 
+
+def per_page_blocks(bases, item_lens, pages) -> Blocks:
+    """What a decode rank holds of a request, one block per page of each buffer: an independent
+    form of ``kv_digest_verify.request_blocks`` (which merges runs of pages)."""
+    p = np.asarray(pages, dtype=np.int64)
+    return Blocks.concat([Blocks.of(int(b) + p * int(n), p * int(n), int(n), i)
+                          for i, (b, n) in enumerate(zip(bases, item_lens))])
+
 def _oracle_fmix32(x: int) -> int:
     """murmur3's 32-bit finaliser, written out from its definition."""
     x &= 0xFFFFFFFF
@@ -304,8 +312,10 @@ def test_senders_compose_to_the_decode_digest(seed):
     own = [digest_bytes(decode[b], keys[b]) for b in range(n_buffers)]
     assert total == own
     assert own == [oracle_digest(truth[b].tobytes(), keys[b]) for b in range(n_buffers)]
-    # the decode's own digest through page_blocks (every row a "page") gives the same sums
-    pb = kd.page_blocks([addr(d) for d in decode], [width] * n_buffers, np.arange(rows))
+    # the decode's own digest through request_blocks (every row a "page") gives the same sums
+    pb = kv.request_blocks(SimpleNamespace(kv_data_ptrs=[addr(d) for d in decode],
+                                           kv_item_lens=[width] * n_buffers, state_data_ptrs=[],
+                                           state_item_lens=[]), np.arange(rows), None)
     assert [int(x) for x in digest_blocks_host(pb, keys)] == own
 
     # a piece lost, or a piece written twice, breaks the sums of its buffer only
@@ -430,8 +440,8 @@ def _check_layout(shape, prefill_tp, decode_tp, rng):
             assert [(m.kind, m.index) for m in bad] == [(BufferKind.KV, e)]
             assert bad[0].senders == tuple(c.sender for c in contributions)
             assert bad[0].actual != bad[0].expected
-            # page_blocks (the pure whole-page form) sees the same corrupted sums
-            pb = kd.page_blocks(kv_args.kv_data_ptrs, kv_args.kv_item_lens, dst_pages)
+            # one block per page (not per page run) sees the same corrupted sums
+            pb = per_page_blocks(kv_args.kv_data_ptrs, kv_args.kv_item_lens, dst_pages)
             assert kd.as_sums(tables, digest_blocks_host(pb, keys)) == own_sums()
             dpools[e][at] = old
             assert compare(own_sums(), contributions) == []

@@ -371,15 +371,3 @@ def as_sums(tables: Sequence[BufferTable], sums: np.ndarray) -> Dict[Tuple[int, 
         for i in range(len(t)):
             out[(int(t.kind), i)] = int(sums[t.first_slot + i])
     return out
-
-
-def page_blocks(bases: Sequence[int], item_lens: Sequence[int], pages, slot0: int = 0) -> Blocks:
-    """Whole pages (or state slots) ``pages`` of each buffer ``i`` (base, bytes per page),
-    landing at the same offsets: what a decode rank holds of a request."""
-    p = np.asarray(pages, dtype=np.int64).reshape(-1)
-    parts = []
-    for i, (base, item) in enumerate(zip(bases, item_lens)):
-        if item == 0 or p.size == 0:
-            continue
-        parts.append(Blocks.of(int(base) + p * int(item), p * int(item), int(item), slot0 + i))
-    return Blocks.concat(parts)

@@ -241,6 +241,7 @@ class DraftSend:
     dst_item: np.ndarray  # decode bytes per page, per entry (a packed slab's page stride too)
     src_pages: np.ndarray  # pages of each source entry (page ids must stay below)
     digest: Optional[DigestEntries]  # the KV digest's view of the entries (kv_digest_send)
+    page_bound: Optional[int]  # source page ids stay below this (the smallest entry pool)
 
     @classmethod
     def of(cls, manager, plan: DraftKVPeerPlan, dst_kv_ptrs) -> "DraftSend":
@@ -277,6 +278,8 @@ class DraftSend:
                 [kv_args.kv_data_lens[e.src_index] // n for e, n in zip(entries, item)],
                 np.int64,
             ),
+            page_bound=min((kv_args.kv_data_lens[e.src_index] // n for e, n in zip(entries, item)),
+                           default=None),
             digest=(
                 _interned(digest_entries(plan.pair, [e.component for e in entries],
                                          [kv_args.kv_data_ptrs[e.src_index] for e in entries],
@@ -287,8 +290,8 @@ class DraftSend:
         )
 
     def check_pages(self, src_pages: np.ndarray) -> None:
-        if self.src_pages.size:
-            check_page_ids(src_pages, int(self.src_pages.min()))
+        if self.page_bound is not None:
+            check_page_ids(src_pages, self.page_bound)
 
 
 def _attach(registration, plan: Optional[DraftKVPeerPlan], send: Optional[DraftSend]) -> None:
@@ -677,7 +680,7 @@ def _send_draft_entries(self, send: DraftSend, session, src_pages, dst_pages) ->
         raise _LocalFailure(f"{src_pages.size} prefill pages for {dst_pages.size} decode pages")
     if kv_digest_send.digest_of(self) is not None:
         memo = transfer_chunk.memo()  # the chunk's pages, checked once for its decode ranks
-        checked = ("pages checked", src_pages.tobytes(), int(send.src_pages.min()))
+        checked = ("pages checked", src_pages.tobytes(), send.page_bound)
         if checked not in memo:
             send.check_pages(src_pages)  # the digest reads the pool at these pages
             memo[checked] = True
