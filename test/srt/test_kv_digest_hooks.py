@@ -103,9 +103,11 @@ def test_partial_sums_wait_bounded_then_fail_naming_what_arrived(monkeypatch):
 def test_one_digest_per_chunk_and_every_rank_gets_its_sums_before_the_last_aux():
     """A chunk sent to two decode ranks: target descriptors through the engine hook, one of them
     from an executor thread (as ``send_kvcache_slice`` sends), draft blocks queued by the draft
-    send. Nothing is digested until the room's last aux; then one engine call, and both ranks'
-    messages go out before that aux (sglang sends the status right after it). Each rank's sums
-    equal the host reference over exactly the bytes it was sent."""
+    send (as a function the digest thread runs). No message goes out before the room's last aux;
+    then both ranks' messages go out before that aux (sglang sends the status right after it).
+    Each rank's sums equal the host reference over exactly the bytes it was sent, and each
+    distinct block of the chunk is digested once, whenever the thread got to it (the second
+    rank's parts equal the first's)."""
     import concurrent.futures
 
     import numpy as np
@@ -150,18 +152,18 @@ def test_one_digest_per_chunk_and_every_rank_gets_its_sums_before_the_last_aux()
                     scoped.submit(kv_digest_send.batch_transfer_sync_around, original,
                                   manager.engine, s, [base + 512], [(1 << 41) + 64], [128]).result()
                 kv_digest_send.add_blocks(manager, 9, s, regs[s],
-                                          Blocks.of([base + 1024], [0], 64, 1, rows=2,
-                                                    src_stride=128, dst_stride=64))
-        assert engine_calls == [] and len(calls) == 4
+                                          lambda: Blocks.of([base + 1024], [0], 64, 1, rows=2,
+                                                            src_stride=128, dst_stride=64))
+        assert len(calls) == 4
         aux = [types.SimpleNamespace(room=9, mooncake_session_id=s, is_dummy=False,
                                      required_dst_info_num=2, endpoint="127.0.0.1", dst_port=1)
                for s in ("d0", "d1")]
         kv_digest_send.send_aux_around(original, manager, aux[0], 0, [])
-        assert sent == [] and engine_calls == []
+        assert sent == []
         kv_digest_send.send_aux_around(original, manager, aux[1], 0, [])
     finally:
         transfer_chunk.end()
-    assert len(engine_calls) == 1  # one digest for the whole chunk, both ranks
+    assert sum(engine_calls) == 3  # the chunk's three distinct blocks, each digested once
     assert [decode(f).room for f in sent] == [9, 9] and len(calls) == 6
     keys = [buffer_key(BufferKind.KV, i) for i in range(2)]
     want = digest_blocks_host(Blocks.concat([
@@ -171,3 +173,87 @@ def test_one_digest_per_chunk_and_every_rank_gets_its_sums_before_the_last_aux()
         c = decode(frames)
         assert c.sums == {(1, 0): int(want[0]), (1, 1): int(want[1])}
         assert c.sender == Sender(1, 0, 2)
+
+
+def _chunk_manager(engine, failures, sent):
+    import numpy as np  # noqa: F401
+
+    regs = {"d0": types.SimpleNamespace(dst_kv_ptrs=[1 << 40], dst_state_data_ptrs=[])}
+    return regs, types.SimpleNamespace(
+        engine=object(), decode_kv_args_table=regs, request_status={},
+        _dflash_kv_digest=kv_digest_send.SendDigest(engine, Sender(0, 0, 0)),
+        _send_multipart_locked=lambda endpoint, frames, is_ipv6=False: sent.append(frames),
+        conclude_failure=lambda **kw: failures.append(kw))
+
+
+def _send_one_chunk(manager, regs, room, base, nbytes):
+    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv, transfer_chunk
+
+    original, _ = _recording()
+    mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(room=room, wait_event=None))
+    manager.request_status[room] = KVPoll.Transferring
+    try:
+        with kv_digest_send.scope(manager, "d0", None):
+            kv_digest_send.batch_transfer_sync_around(original, manager.engine, "d0", [base],
+                                                      [1 << 40], [nbytes])  # fmt: skip
+        aux = types.SimpleNamespace(room=room, mooncake_session_id="d0", is_dummy=False,
+                                    required_dst_info_num=1, endpoint="127.0.0.1", dst_port=1)
+        kv_digest_send.send_aux_around(original, manager, aux, 0, [])
+    finally:
+        mooncake_draft_kv.end_chunk()
+        assert transfer_chunk.chunk_manager() is None
+
+
+def test_a_later_chunk_with_the_same_descriptors_is_digested_again():
+    """The digest thread reuses a part's sums within a chunk only: the next chunk sends the
+    same addresses with other bytes in them, and its sums are those bytes'."""
+    import numpy as np
+
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks, BufferKind, buffer_key
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import decode, digest_blocks_host
+    from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
+
+    src = np.arange(256, dtype=np.uint8)
+    failures, sent = [], []
+    regs, manager = _chunk_manager(DigestEngine("cpu"), failures, sent)
+    keys = [buffer_key(BufferKind.KV, 0)]
+    want = []
+    for room in (1, 2):
+        _send_one_chunk(manager, regs, room, src.ctypes.data, 256)
+        want.append(int(digest_blocks_host(Blocks.of([src.ctypes.data], [0], 256, 0), keys)[0]))
+        src[7] ^= 0x5A  # the next chunk's bytes at the same place
+    got = [decode(f).sums[(1, 0)] for f in sent]
+    assert failures == [] and got == want and want[0] != want[1]
+
+
+def test_a_stuck_digest_thread_fails_the_room_without_its_sums(monkeypatch):
+    """The worker waits for the digest thread a bounded time before the room's status: past it
+    the room fails naming the thread and the bound, no sums are sent, and the worker returns."""
+    import threading
+    import time
+
+    import numpy as np
+
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import TIMEOUT_ENV
+    from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
+
+    release = threading.Event()
+
+    class StuckEngine(DigestEngine):
+        def digest(self, blocks, keys, wait_events=()):
+            release.wait(30)
+            return super().digest(blocks, keys, wait_events)
+
+    monkeypatch.setenv(TIMEOUT_ENV, "0.5")
+    src = np.zeros(64, dtype=np.uint8)
+    failures, sent = [], []
+    regs, manager = _chunk_manager(StuckEngine("cpu"), failures, sent)
+    t0 = time.monotonic()
+    try:
+        _send_one_chunk(manager, regs, 5, src.ctypes.data, 64)
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 5
+    assert sent == [] and [f["bootstrap_room"] for f in failures] == [5]
+    reason = failures[0]["failure_reason"]
+    assert "digest thread" in reason and TIMEOUT_ENV in reason and "0.5 s" in reason

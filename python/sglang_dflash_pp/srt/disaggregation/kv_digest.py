@@ -300,6 +300,10 @@ class Contribution:
 
 
 MESSAGE_TAG = b"DFLASH_KV_DIGEST"
+# How long a decode waits for the senders' sums after a room's transfer, and a prefill worker for
+# its digest thread before the room's status: a digest path that stalls fails rooms, never hangs.
+TIMEOUT_ENV = "SGLANG_DFLASH_KV_DIGEST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 10.0
 _HEADER = struct.Struct(">QqqqI")  # room, pp rank, tp rank, rank id, entry count
 _ENTRY = struct.Struct(">BIQ")  # kind, index, sum
 

@@ -9,11 +9,17 @@ sums go to the decode as one small ZMQ message on the socket the transfer status
 decode that sees the room complete holds every sender's contribution. The decode side is
 ``kv_digest_verify``.
 
+The digest's host work runs on a thread of its own (``kv_digest_thread``), while Mooncake moves
+the bytes (its transfers release the GIL): the send hooks only hand it sglang's descriptor lists
+and the draft's page lists, and the worker waits for it once per room, before the status. The
+thread digests whenever it runs out of work, so at that wait little is left
+(``benchmark/gpu/results``).
+
 Hooks (``sglang/srt/disaggregation/``):
 
 * AFTER ``prefill.PrefillBootstrapQueue.__init__``: on a DFLASH Mooncake prefill with the
   checksum flag, build the digest engine (``kv_digest_engine``: kernel compiled, buffers
-  allocated, before serving) and turn off stock's whole-request digest on this prefill
+  allocated, before serving) and start its thread and turn off stock's whole-request digest on this prefill
   (``scheduler.kv_checksum_computer = None``): it digests this rank's own KV range, which a
   decode can compare only at the same TP width and without PP, and the composed digest covers
   that layout too.
@@ -33,6 +39,7 @@ reason and the session stays healthy, as for the draft KV send.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Dict, List, Optional, Tuple
 
@@ -45,11 +52,15 @@ from sglang_dflash_pp.srt.disaggregation.kv_digest import (
     BufferKind,
     BufferTable,
     Contribution,
+    DEFAULT_TIMEOUT_S,
+    TIMEOUT_ENV,
     Sender,
     encode,
     slots_of,
 )
 from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import unsupported_state
+from sglang_dflash_pp.srt.disaggregation.kv_digest_thread import DigestThread
+
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +70,17 @@ _scope = threading.local()
 
 
 class SendDigest:
-    """One prefill rank's digest state: its engine, its name, the rooms' running sums (per
-    (room, decode rank): one uint64 per decode buffer, added to in place: uint64 wraps mod
-    2**64; turned into a :class:`Contribution` when sent)."""
+    """One prefill rank's digest state: its engine, its name, the thread it digests on, the
+    rooms' running sums (per (room, decode rank): one uint64 per decode buffer, added to in
+    place: uint64 wraps mod 2**64; turned into a :class:`Contribution` when sent)."""
 
     def __init__(self, engine, sender: Sender):
         self.engine = engine
         self.sender = sender
         self._lock = threading.Lock()
         self._sums: Dict[Tuple[int, str], Tuple[tuple, np.ndarray]] = {}
+        self._dirty: Dict[int, "_Pending"] = {}  # pendings with blocks queued (thread only)
+        self.thread = DigestThread(f"kv-digest-{sender.describe()}", on_idle=self._digest_dirty)
 
     def add(self, room: int, session: str, tables, sums: np.ndarray) -> None:
         with self._lock:
@@ -89,6 +102,12 @@ class SendDigest:
         with self._lock:
             for key in [k for k in self._sums if k[0] == room]:
                 del self._sums[key]
+
+    def _digest_dirty(self) -> None:
+        """The thread is out of jobs: digest what its workers queued so far."""
+        dirty, self._dirty = self._dirty, {}
+        for pending in dirty.values():
+            _digest_pending(pending)
 
 
 def digest_of(manager) -> Optional[SendDigest]:
@@ -126,30 +145,33 @@ def _fail(manager, room: int, session: str, error: BaseException) -> None:
 
 
 class _Pending:
-    """This worker thread's blocks not digested yet: everything its current chunk sent, to all
-    of the chunk's decode ranks, digested in one kernel launch (one call per decode rank and
-    send costs several times the kernel on an H200: ``benchmark/gpu/results``)."""
+    """One transfer worker's blocks not digested yet, with what its current chunk already
+    digested. Touched only on the digest thread (the worker submits jobs that queue into it),
+    except ``aux``, the worker's own."""
 
     def __init__(self):
         self.manager = None
         self.parts: List[Tuple[int, str, object, Blocks]] = []  # room, session, registration
         self.written: Tuple = ()
+        # This chunk's sums per (blocks, tables) signature: a prefill rank sends the same target
+        # MLA KV, at the same offsets, to each of its decode ranks, and a draft head to each rank
+        # that holds it; whichever flush digests such a part first, the others reuse its sums.
+        self.known: Dict[Tuple, np.ndarray] = {}
         self.aux: Dict[int, List[object]] = {}  # room -> the TransferInfos its aux went to
-        self.lock = threading.Lock()  # sglang's executor threads queue into their worker's
 
     def queue(self, manager, room: int, session: str, registration, blocks: Blocks, written):
-        with self.lock:
-            if self.manager is not None and self.manager is not manager:
-                raise RuntimeError("one transfer worker digesting for two KV managers")
-            self.manager = manager
-            self.written = written or self.written
-            self.parts.append((int(room), session, registration, blocks))
+        if self.manager is not None and self.manager is not manager:
+            raise RuntimeError("one transfer worker digesting for two KV managers")
+        self.manager = manager
+        self.written = written or self.written
+        self.parts.append((int(room), session, registration, blocks))
+        digest_of(manager)._dirty[id(self)] = self
 
     def take(self):
-        with self.lock:
-            parts, self.parts = self.parts, []
-            written, self.written, self.manager = self.written, (), None
-            return parts, written
+        parts, self.parts = self.parts, []
+        taken = (parts, self.manager, self.written)
+        self.manager, self.written = None, ()
+        return taken
 
 
 def _pending() -> _Pending:
@@ -159,62 +181,116 @@ def _pending() -> _Pending:
     return p
 
 
-def add_blocks(manager, room: Optional[int], session: str, registration, blocks: Blocks) -> None:
+def add_blocks(manager, room: Optional[int], session: str, registration, blocks) -> None:
     """Queue ``blocks`` (destinations already as decode offsets and slots of the registration's
-    tables) for the room's sums of ``session``; digested at the chunk's end or before the room's
-    status goes out (:func:`flush`)."""
-    if digest_of(manager) is None or room is None or not blocks.count:
-        return
-    _pending().queue(manager, room, session, registration, blocks, transfer_chunk.written())
-
-
-def flush(manager) -> None:
-    """Digest every queued block of this worker thread in one call and add the sums to their
-    rooms."""
+    tables; or a function that builds them, run on the digest thread) for the room's sums of
+    ``session``."""
     digest = digest_of(manager)
-    parts, written = _pending().take()
+    if digest is None or room is None:
+        return
+    digest.thread.submit(_queue_job, _pending(), manager, int(room), session, registration,
+                         blocks, transfer_chunk.written())  # fmt: skip
+
+
+def _queue_job(pending, manager, room, session, registration, blocks, written) -> None:
+    try:
+        if callable(blocks):
+            blocks = blocks()
+        if blocks is not None and blocks.count:
+            pending.queue(manager, room, session, registration, blocks, written)
+    except Exception as e:
+        _fail(manager, room, session, e)
+
+
+def _resolve_job(pending, manager, room, session, registration, kind, src, dst, length, written):
+    """sglang's descriptors of one send as blocks of the decode's buffer tables."""
+    kv, state = tables_of(registration)
+    table = kv if kind is BufferKind.KV else state
+    try:
+        blocks = table.blocks(np.asarray(src, np.int64), np.asarray(dst, np.int64),
+                              np.asarray(length, np.int64))  # fmt: skip
+        if blocks.count:
+            pending.queue(manager, room, session, registration, blocks, written)
+    except Exception as e:
+        _fail(manager, room, session, e)
+
+
+def _digest_pending(pending: _Pending) -> None:
+    """Digest every block ``pending`` holds in one engine call (parts whose sums this chunk
+    already knows: none) and add the sums to their rooms."""
+    parts, manager, written = pending.take()
+    digest = digest_of(manager) if manager is not None else None
     if digest is None or not parts:
         return
-    # Parts with equal blocks and equal keys have equal sums: digested once. (A prefill rank
-    # sends the same target MLA KV, at the same offsets, to each of its decode ranks, and a draft
-    # head to each rank that holds it.)
-    groups: Dict[Tuple, List[int]] = {}
-    layouts = []
+    signatures, layouts = [], []
     prints: Dict[int, bytes] = {}  # one fingerprint per distinct Blocks object
-    for i, (room, session, registration, blocks) in enumerate(parts):
+    todo: Dict[Tuple, Blocks] = {}
+    for room, session, registration, blocks in parts:
         tables, reg_keys = _tables_and_keys(registration)
         layouts.append((tables, reg_keys))
         if id(blocks) not in prints:
             prints[id(blocks)] = blocks.fingerprint()
         # The keys are a function of the tables' sizes (kv_digest.buffer_key).
         signature = (prints[id(blocks)],) + tuple(len(t) for t in tables)
-        groups.setdefault(signature, []).append(i)
-    keys: List[int] = []
-    shifted, bases = [], {}
-    for members in groups.values():
-        first = members[0]
-        base = len(keys)
-        keys.extend(layouts[first][1])
-        shifted.append(parts[first][3]._replace(slot=parts[first][3].slot + base))
-        for i in members:
-            bases[i] = base
-    try:
-        sums = digest.engine.digest(Blocks.concat(shifted), keys, wait_events=written)
-    except Exception as e:
-        for room, session in {(r, s) for r, s, _, _ in parts}:
-            _fail(manager, room, session, e)
-        return
-    for i, (room, session, _, _) in enumerate(parts):
-        tables, reg_keys = layouts[i]
-        digest.add(room, session, tables, sums[bases[i] : bases[i] + len(reg_keys)])
+        signatures.append(signature)
+        if signature not in pending.known and signature not in todo:
+            todo[signature] = (blocks, reg_keys)
+    if todo:
+        keys: List[int] = []
+        shifted, bases = [], {}
+        for signature, (blocks, reg_keys) in todo.items():
+            bases[signature] = (len(keys), len(reg_keys))
+            shifted.append(blocks._replace(slot=blocks.slot + len(keys)))
+            keys.extend(reg_keys)
+        try:
+            sums = digest.engine.digest(Blocks.concat(shifted), keys, wait_events=written)
+        except Exception as e:
+            for room, session in {(r, s) for r, s, _, _ in parts}:
+                _fail(manager, room, session, e)
+            return
+        for signature, (base, n) in bases.items():
+            pending.known[signature] = sums[base : base + n]
+    for (room, session, _, _), (tables, _), signature in zip(parts, layouts, signatures):
+        digest.add(room, session, tables, pending.known[signature])
+
+
+def _end_job(pending: _Pending) -> None:
+    _digest_pending(pending)
+    pending.known = {}
+
+
+def flush(manager) -> bool:
+    """Wait until the digest thread has added every block this worker queued to its rooms'
+    sums; False (and every room this worker has open failed) if it did not in time."""
+    digest = digest_of(manager)
+    if digest is None:
+        return True
+    pending = _pending()
+    digest.thread.submit(_digest_pending, pending)
+    if digest.thread.wait(_wait_bound_s()):
+        return True
+    error = RuntimeError(
+        f"the digest thread did not finish this chunk's digest in {_wait_bound_s():g} s "
+        f"({'stuck' if digest.thread.alive else 'gone'}; {TIMEOUT_ENV})"
+    )
+    for room, requests in list(pending.aux.items()):
+        for r in requests:
+            _fail(manager, room, r.mooncake_session_id, error)
+    return False
+
+
+def _wait_bound_s() -> float:
+    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
 
 
 def end_chunk(manager) -> None:
-    """The worker is done with its chunk: digest what it sent."""
+    """The worker is done with its chunk: what it queued is digested on the thread, and the
+    chunk's known sums dropped after it (the next chunk's bytes are other bytes)."""
     p = getattr(_scope, "pending", None)
+    digest = digest_of(manager)
     if p is not None:
-        if p.parts:
-            flush(p.manager or manager)
+        if digest is not None:
+            digest.thread.submit(_end_job, p)
         p.aux.clear()
 
 
@@ -229,17 +305,11 @@ class _Scope:
         self.pending, self.written = _pending(), transfer_chunk.written()
 
     def add(self, src, dst, length) -> None:
-        kv, state = tables_of(self.registration)
-        table = kv if self.kind is BufferKind.KV else state
-        try:
-            blocks = table.blocks(np.asarray(src, np.int64), np.asarray(dst, np.int64),
-                                  np.asarray(length, np.int64))  # fmt: skip
-        except Exception as e:
-            _fail(self.manager, self.room, self.session, e)
-            return
-        if blocks.count:
-            self.pending.queue(self.manager, self.room, self.session, self.registration, blocks,
-                               self.written)  # fmt: skip
+        """sglang's descriptor lists of one ``batch_transfer_sync`` (fresh lists per call in
+        0.5.23, kept by reference), resolved on the digest thread while they are sent."""
+        digest_of(self.manager).thread.submit(
+            _resolve_job, self.pending, self.manager, self.room, self.session, self.registration,
+            self.kind, src, dst, length, self.written)  # fmt: skip
 
 
 class _ScopedExecutor:
@@ -317,8 +387,8 @@ def maybe_send_extra_around(original, self, req, prefill_state_indices, executor
 
 def send_aux_around(original, self, req, *args, **kwargs):
     """sglang sends the room's status to its decode ranks once the last of them got its aux
-    data; just before that last aux, the chunk's blocks are digested (one call) and every decode
-    rank of the room gets its sums."""
+    data; just before that last aux, the worker waits for the digest thread to finish the room's
+    blocks, and every decode rank of the room gets its sums."""
     digest = digest_of(self)
     if digest is None or getattr(req, "is_dummy", False):
         return original(self, req, *args, **kwargs)
@@ -326,9 +396,9 @@ def send_aux_around(original, self, req, *args, **kwargs):
     done = _pending().aux.setdefault(room, [])
     done.append(req)
     if len(done) >= int(getattr(req, "required_dst_info_num", 1) or 1):
+        verified = flush(self)  # False: the worker's open rooms failed, naming the thread
         _pending().aux.pop(room, None)
-        flush(self)
-        for r in done:
+        for r in done if verified else ():
             try:
                 _send_contribution(self, digest.pop(room, r.mooncake_session_id), r)
             except Exception as e:
@@ -351,8 +421,8 @@ def begin_chunk(manager, chunk) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     status = getattr(manager, "request_status", {}).get(chunk.room, KVPoll.Failed)
-    if status == KVPoll.Failed:
-        digest.forget_room(chunk.room)
+    if status == KVPoll.Failed:  # after the sums its earlier chunks' jobs still add
+        digest.thread.submit(digest.forget_room, chunk.room)
 
 
 # -- startup ---------------------------------------------------------------------------------

@@ -39,7 +39,9 @@ import numpy as np
 
 from sglang_dflash_pp.hooks import PluginHook
 from sglang_dflash_pp.srt.disaggregation.kv_digest import (
+    DEFAULT_TIMEOUT_S,
     MESSAGE_TAG,
+    TIMEOUT_ENV,
     Blocks,
     BufferKind,
     BufferTable,
@@ -54,7 +56,6 @@ from sglang_dflash_pp.srt.disaggregation.kv_digest import (
 
 logger = logging.getLogger(__name__)
 
-TIMEOUT_ENV = "SGLANG_DFLASH_KV_DIGEST_TIMEOUT_S"
 _INBOX_ATTR = "_dflash_kv_digest_inbox"  # on the decode's KV manager
 
 
@@ -318,7 +319,7 @@ def prealloc_queue_init_after(result, self, *args, **kwargs):
                     unsupported_state(manager.kv_args))  # fmt: skip
         return None
     engine = DigestEngine(getattr(self.token_to_kv_pool, "device", "cpu"))
-    timeout = float(os.environ.get(TIMEOUT_ENV, "10"))
+    timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
     setattr(manager, _INBOX_ATTR, Inbox(engine, manager.kv_args, timeout))
     logger.info("KV checksum: this decode verifies composed digests (%s)", engine.describe())
     return None

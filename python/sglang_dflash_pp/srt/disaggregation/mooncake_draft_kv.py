@@ -685,9 +685,9 @@ def _send_draft_entries(self, send: DraftSend, session, src_pages, dst_pages) ->
             send.check_pages(src_pages)  # the digest reads the pool at these pages
             memo[checked] = True
         registration = self.decode_kv_args_table.get(session)
-        blocks = _digest_blocks(send, src_pages, dst_pages)
-        if blocks is not None:
-            kv_digest_send.add_blocks(self, _current_room(self), session, registration, blocks)
+        memo = transfer_chunk.memo()  # built on the digest thread, shared by the chunk's sends
+        kv_digest_send.add_blocks(self, _current_room(self), session, registration,
+                                  lambda: _digest_blocks(send, src_pages, dst_pages, memo))  # fmt: skip
     pair, staging = send.plan.pair, send.staging
     packing = send.regime is Regime.PACK_SOURCE and staging is not None
     packs = _chunk_packs(self, staging) if packing else None
@@ -719,13 +719,14 @@ def _send_draft_entries(self, send: DraftSend, session, src_pages, dst_pages) ->
     return 0
 
 
-def _digest_blocks(send: DraftSend, src_pages, dst_pages):
+def _digest_blocks(send: DraftSend, src_pages, dst_pages, memo=None):
     """The KV digest's blocks of this send: the pool rows the plan writes, at their decode slots.
     Decode ranks holding the same heads share their digest entries (interned at registration),
-    so within a chunk their blocks are built once (and digested once: ``kv_digest_send.flush``)."""
+    so within a chunk their blocks are built once (and digested once: ``kv_digest_send``).
+    ``memo``: the sending worker's chunk memo (this runs on the digest thread)."""
     if send.digest is None:
         return None
-    memo = transfer_chunk.memo()
+    memo = transfer_chunk.memo() if memo is None else memo
     key = ("digest blocks", id(send.digest), src_pages.tobytes(), dst_pages.tobytes())
     blocks = memo.get(key)
     if blocks is None:

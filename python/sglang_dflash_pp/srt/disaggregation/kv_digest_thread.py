@@ -1,0 +1,64 @@
+"""The thread a prefill rank computes its KV digest on, beside sglang's transfer workers.
+
+A transfer worker spends most of a chunk inside Mooncake's ``batch_transfer_sync``, which
+releases the GIL while the bytes move. The digest's host work (resolving descriptors into
+blocks, one engine call per batch of them) therefore runs here, during the transfers it
+verifies, instead of before them on the worker: the worker only hands over references
+(:meth:`DigestThread.submit`) and waits once per room, just before the room's status goes out
+(:meth:`DigestThread.wait`), for what the thread has not finished yet. Jobs run in submission
+order, so a room's sums are complete when every job submitted before that wait has run.
+
+When it runs out of jobs the thread calls ``on_idle`` (the digest of what is queued): digesting
+early, while the next transfer runs, leaves less for the room's last wait.
+
+Started at startup, a daemon; it never touches the GPU itself except through what its jobs do.
+No sglang import.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+
+class DigestThread:
+    def __init__(self, name: str, on_idle: Optional[Callable[[], None]] = None):
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._on_idle = on_idle
+        self.busy_s = 0.0  # time spent in jobs and idle digests (the benchmark reads it)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` on the thread after every job submitted before it. A job that
+        raises is logged; it must itself fail whatever depends on it (the digest's jobs fail
+        their rooms)."""
+        self._jobs.put((fn, args))
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until every job submitted before this call has run; False on timeout (the
+        thread stuck or gone: the caller fails the rooms it waited for, never hangs)."""
+        done = threading.Event()
+        self._jobs.put((done.set, ()))
+        return done.wait(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            fn, args = self._jobs.get()
+            t0 = time.perf_counter()
+            try:
+                fn(*args)
+                if self._on_idle is not None and self._jobs.empty():
+                    self._on_idle()
+            except BaseException:  # a job's own failure path has run; keep serving the rest
+                logger.exception("KV digest job %r failed", getattr(fn, "__name__", fn))
+            self.busy_s += time.perf_counter() - t0
