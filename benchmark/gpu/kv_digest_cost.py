@@ -456,8 +456,9 @@ class SendPath:
                         memo[checked] = True
                     kds.add_blocks(m, mdk._current_room(m), session, m.decode_kv_args_table.get(session),
                                    lambda send=send: mdk._digest_blocks(send, self.src_pages, self.dst_pages, memo))  # fmt: skip
-                if link_bps is not None:  # the draft's own transfer
-                    _over_link(self.draft_bytes[r], link_bps)
+                if link_bps is not None:  # the draft's own transfer (no digest scope)
+                    kds.batch_transfer_sync_around(move, self.mooncake, session, [0], [0],
+                                                   [self.draft_bytes[r]])  # fmt: skip
                 if last:  # maybe_send_extra_around
                     with kds.scope(m, session, None, kds.BufferKind.STATE):
                         kds.batch_transfer_sync_around(move, self.mooncake, session, *self.state[r])

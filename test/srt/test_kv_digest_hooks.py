@@ -257,3 +257,28 @@ def test_a_stuck_digest_thread_fails_the_room_without_its_sums(monkeypatch):
     assert sent == [] and [f["bootstrap_room"] for f in failures] == [5]
     reason = failures[0]["failure_reason"]
     assert "digest thread" in reason and TIMEOUT_ENV in reason and "0.5 s" in reason
+
+
+def test_the_digest_thread_runs_inside_transfer_windows_or_when_the_workers_are_idle():
+    """Jobs wait for a worker to be inside a transfer (the GIL free) or waiting for the thread;
+    with no transfer for IDLE_S they run anyway; jobs run in order."""
+    import threading
+    import time
+
+    from sglang_dflash_pp.srt.disaggregation.kv_digest_thread import IDLE_S, DigestThread
+
+    ran = []
+    thread = DigestThread("test-digest")
+    first = threading.Event()
+    thread.submit(lambda: (ran.append(1), first.set()))
+    time.sleep(IDLE_S / 5)
+    assert ran == []  # no window yet, and not idle long enough
+    with thread.transfer():
+        assert first.wait(5)
+    t0 = time.monotonic()
+    thread.submit(ran.append, 2)
+    assert thread.wait(5)  # the waiting worker opens the window itself
+    assert ran == [1, 2] and time.monotonic() - t0 < IDLE_S * 10
+    idle = threading.Event()
+    thread.submit(idle.set)
+    assert idle.wait(5)  # no window at all: after IDLE_S

@@ -375,7 +375,12 @@ def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_
         and len(buffers)
     ):
         current.add(buffers, peer_buffer_addresses, lengths)
-    return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
+    manager = current.manager if current is not None else transfer_chunk.chunk_manager()
+    digest = digest_of(manager) if manager is not None else None
+    if digest is None:
+        return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
+    with digest.thread.transfer():  # the GIL is free while Mooncake moves the bytes
+        return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
 
 
 def maybe_send_extra_around(original, self, req, prefill_state_indices, executor, *args, **kwargs):

@@ -8,8 +8,12 @@ verifies, instead of before them on the worker: the worker only hands over refer
 (:meth:`DigestThread.wait`), for what the thread has not finished yet. Jobs run in submission
 order, so a room's sums are complete when every job submitted before that wait has run.
 
-When it runs out of jobs the thread calls ``on_idle`` (the digest of what is queued): digesting
-early, while the next transfer runs, leaves less for the room's last wait.
+The thread runs its jobs while a worker is inside a transfer (:meth:`DigestThread.transfer`
+marks it) or waits for it, not while the workers run Python: the GIL has one holder, and a
+worker that wakes from a transfer while this thread holds it would wait for it (up to the
+interpreter's switch interval). With no transfer for ``IDLE_S`` the thread runs anyway (the
+workers are idle then too). When it runs out of jobs inside such a window it calls ``on_idle``
+(the digest of what is queued): digesting early leaves less for the room's last wait.
 
 Started at startup, a daemon; it never touches the GPU itself except through what its jobs do.
 No sglang import.
@@ -26,10 +30,16 @@ from typing import Callable, Optional
 logger = logging.getLogger(__name__)
 
 
+IDLE_S = 0.05  # no transfer this long: the workers are idle, the thread need not wait for one
+
+
 class DigestThread:
     def __init__(self, name: str, on_idle: Optional[Callable[[], None]] = None):
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._on_idle = on_idle
+        self._open = threading.Event()  # set while a worker is in a transfer or waits here
+        self._inside = 0
+        self._inside_lock = threading.Lock()
         self.busy_s = 0.0  # time spent in jobs and idle digests (the benchmark reads it)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -45,20 +55,56 @@ class DigestThread:
         thread stuck or gone: the caller fails the rooms it waited for, never hangs)."""
         done = threading.Event()
         self._jobs.put((done.set, ()))
-        return done.wait(timeout_s)
+        with self.transfer():  # this worker holds no GIL while it waits
+            return done.wait(timeout_s)
+
+    def transfer(self) -> "_Inside":
+        """``with thread.transfer(): <a GIL-free wait>``: the thread may run meanwhile."""
+        return _Inside(self)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def _enter(self) -> None:
+        with self._inside_lock:
+            self._inside += 1
+            self._open.set()
+
+    def _exit(self) -> None:
+        with self._inside_lock:
+            self._inside -= 1
+            if self._inside == 0:
+                self._open.clear()
+
     def _run(self) -> None:
         while True:
             fn, args = self._jobs.get()
-            t0 = time.perf_counter()
-            try:
-                fn(*args)
-                if self._on_idle is not None and self._jobs.empty():
-                    self._on_idle()
-            except BaseException:  # a job's own failure path has run; keep serving the rest
-                logger.exception("KV digest job %r failed", getattr(fn, "__name__", fn))
-            self.busy_s += time.perf_counter() - t0
+            self._open.wait(IDLE_S)
+            self._timed(fn, *args)
+            if self._on_idle is not None and self._jobs.empty():
+                self._open.wait(IDLE_S)
+                self._timed(self._on_idle)
+
+    def _timed(self, fn: Callable, *args) -> None:
+        t0 = time.perf_counter()
+        try:
+            fn(*args)
+        except BaseException:  # a job's own failure path has run; keep serving the rest
+            logger.exception("KV digest job %r failed", getattr(fn, "__name__", fn))
+        self.busy_s += time.perf_counter() - t0
+
+
+class _Inside:
+    __slots__ = ("_thread",)
+
+    def __init__(self, thread: DigestThread):
+        self._thread = thread
+
+    def __enter__(self):
+        self._thread._enter()
+        return self
+
+    def __exit__(self, *exc):
+        self._thread._exit()
+        return False
