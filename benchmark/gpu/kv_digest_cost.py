@@ -704,19 +704,28 @@ def run(args):
     # the chunk's wall time with the digest on against the same sends with it off, in one loop.
     # After each sample (untimed) the digest thread's queue is drained: its lag behind the
     # worker, and its busy time for the chunk.
-    thread_use = {k: dict(lag=[], busy=[]) for k in ("middle", "last")}
+    thread_use = {}
+    from sglang_dflash_pp.srt.disaggregation import kv_digest_send as kds_module
 
-    def over_link(last, on):
+    # The shipped policy for early digests and the others (SendDigest.eager_interval_s).
+    policies = {"": kds_module.EAGER_INTERVAL_S, "_eager_never": None, "_eager_every_2ms": 0.002,
+                "_eager_always": 0.0}  # fmt: skip
+    policies = {k: v for i, (k, v) in enumerate(policies.items())
+                if i == 0 or v != kds_module.EAGER_INTERVAL_S}  # fmt: skip
+    thread_use.update({f"{w}{p}": dict(lag=[], busy=[]) for w in ("middle", "last") for p in policies})
+
+    def over_link(last, on, policy=""):
         def fn(e):
             room["now"] = next(sp.rooms)
             room["busy0"] = sp.manager._dflash_kv_digest.thread.busy_s
+            sp.manager._dflash_kv_digest.eager_interval_s = policies[policy]
             return sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on)
         return fn
 
-    def drained(last):
+    def drained(last, policy=""):
         def after():
             lag = sp.drain()
-            use = thread_use["last" if last else "middle"]
+            use = thread_use[("last" if last else "middle") + policy]
             use["lag"].append(lag)
             use["busy"].append(sp.manager._dflash_kv_digest.thread.busy_s - room["busy0"])
             sp.pop(room["now"])
@@ -724,9 +733,10 @@ def run(args):
 
     chunk_call = lambda e: dig.digest(chunk, chunk_keys, wait_events=(e,))  # noqa: E731
     results = timed({
-        "over_link_middle_chunk_digest_on": (over_link(False, True), sp.stream, drained(False)),
+        **{f"over_link_{w}_chunk_digest_on{p}": (over_link(w == "last", True, p), sp.stream,
+                                                 drained(w == "last", p))
+           for w in ("middle", "last") for p in policies},
         "over_link_middle_chunk_digest_off": (over_link(False, False), sp.stream, None),
-        "over_link_last_chunk_digest_on": (over_link(True, True), sp.stream, drained(True)),
         "over_link_last_chunk_digest_off": (over_link(True, False), sp.stream, None),
         "shipped_send_path_middle_chunk": (shipped(False), sp.stream, pop),
         "shipped_send_path_last_chunk": (shipped(True), sp.stream, pop),
@@ -743,14 +753,16 @@ def run(args):
             lambda e: dig.digest(kd.Blocks.empty(), chunk_keys, wait_events=(e,)), dig.stream, None),
     })  # fmt: skip
     direct = dig._direct
-    for which, link in (("middle", link_mid), ("last", link_last)):
-        on = results[f"over_link_{which}_chunk_digest_on"]["wall_s"]
+    sp.manager._dflash_kv_digest.eager_interval_s = kds_module.EAGER_INTERVAL_S
+    for (which, link), policy in itertools.product((("middle", link_mid), ("last", link_last)), policies):
+        on = results[f"over_link_{which}_chunk_digest_on{policy}"]["wall_s"]
         off = results[f"over_link_{which}_chunk_digest_off"]["wall_s"]
-        use = thread_use[which]
+        use = thread_use[which + policy]
         n = min(len(use["busy"]), len(use["lag"]))
         busy = use["busy"][-args.reps:] if n >= args.reps else use["busy"]
         lag = use["lag"][-args.reps:] if n >= args.reps else use["lag"]
-        results[f"over_link_{which}_chunk_exposed"] = dict(
+        results[f"over_link_{which}_chunk_exposed{policy}"] = dict(
+            eager_interval_s=policies[policy],
             exposed_s=on["median"] - off["median"],
             over_link_time=(on["median"] - off["median"]) / link,
             emulated_link_s=link, wall_on_median_s=on["median"], wall_off_median_s=off["median"],
@@ -1221,16 +1233,18 @@ def section(r, name="kv_digest_cost.json"):
         "medians of one loop; the digest thread's busy time per chunk; its lag = how long its queue "
         "still took after the worker's chunk ended (drained between samples).",
         "",
-        "| chunk | wall, digest off | wall, digest on | **exposed: on - off** | digest thread busy | thread lag after the chunk |",
-        "|---|---|---|---|---|---|",
+        "| chunk | early digests | wall, digest off | wall, digest on | **exposed: on - off** | digest thread busy | thread lag after the chunk |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for which in ("middle", "last"):
-        if f"over_link_{which}_chunk_exposed" not in res:
-            continue
-        x = res[f"over_link_{which}_chunk_exposed"]
-        on, off = res[f"over_link_{which}_chunk_digest_on"], res[f"over_link_{which}_chunk_digest_off"]
+    for key in [k for k in res if k.startswith("over_link_") and "_chunk_exposed" in k]:
+        which, policy = key[len("over_link_"):].split("_chunk_exposed")
+        x = res[key]
+        on, off = res[f"over_link_{which}_chunk_digest_on{policy}"], res[f"over_link_{which}_chunk_digest_off"]
+        every = x["eager_interval_s"]
+        eager = "never" if every is None else ("when idle" if every == 0 else f"at most every {every * 1e3:g} ms")
         out.append(
-            f"| {which} | {us(off['wall_s'])} ({100 * x['wall_off_over_link_time']:.0f}% of the link time) | "
+            f"| {which} | {eager}{' (shipped)' if not policy else ''} | {us(off['wall_s'])} "
+            f"({100 * x['wall_off_over_link_time']:.0f}% of the link time) | "
             f"{us(on['wall_s'])} | **{x['exposed_s'] * 1e6:.0f} = {100 * x['over_link_time']:.1f}%** | "
             f"{us(x['thread_busy_s'])} ({100 * x['thread_busy_over_link_time']:.0f}%) | "
             f"{us(x['thread_lag_after_chunk_s'])} |")  # fmt: skip

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -67,6 +68,7 @@ logger = logging.getLogger(__name__)
 _ENGINE_ATTR = "_dflash_kv_digest"  # on the KV manager: the SendDigest, when on
 _TABLES_ATTR = "_dflash_kv_digest_tables"  # on a decode's KVArgsRegisterInfo
 _scope = threading.local()
+EAGER_INTERVAL_S: Optional[float] = 0.0  # see SendDigest.eager_interval_s
 
 
 class SendDigest:
@@ -80,6 +82,10 @@ class SendDigest:
         self._lock = threading.Lock()
         self._sums: Dict[Tuple[int, str], Tuple[tuple, np.ndarray]] = {}
         self._dirty: Dict[int, "_Pending"] = {}  # pendings with blocks queued (thread only)
+        # An early digest costs an engine call's fixed part (a GPU round trip and its Python);
+        # at most one per this interval (None: only at the chunk's end and the room's wait).
+        self.eager_interval_s: Optional[float] = EAGER_INTERVAL_S
+        self._last_eager = 0.0
         self.thread = DigestThread(f"kv-digest-{sender.describe()}", on_idle=self._digest_dirty)
 
     def add(self, room: int, session: str, tables, sums: np.ndarray) -> None:
@@ -105,6 +111,10 @@ class SendDigest:
 
     def _digest_dirty(self) -> None:
         """The thread is out of jobs: digest what its workers queued so far."""
+        now = time.perf_counter()
+        if self.eager_interval_s is None or now - self._last_eager < self.eager_interval_s:
+            return
+        self._last_eager = now
         dirty, self._dirty = self._dirty, {}
         for pending in dirty.values():
             _digest_pending(pending)
