@@ -69,6 +69,9 @@ _ENGINE_ATTR = "_dflash_kv_digest"  # on the KV manager: the SendDigest, when on
 _TABLES_ATTR = "_dflash_kv_digest_tables"  # on a decode's KVArgsRegisterInfo
 _scope = threading.local()
 EAGER_INTERVAL_S: Optional[float] = 0.0  # see SendDigest.eager_interval_s
+# A transfer shorter than a job of the digest thread is no window for it: a worker that wakes
+# while the thread holds the GIL waits for the job (a state slice, a few KB, is ~1 us of link).
+WINDOW_MIN_BYTES = 1 << 20
 
 
 class SendDigest:
@@ -387,7 +390,7 @@ def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_
         current.add(buffers, peer_buffer_addresses, lengths)
     manager = current.manager if current is not None else transfer_chunk.chunk_manager()
     digest = digest_of(manager) if manager is not None else None
-    if digest is None:
+    if digest is None or sum(lengths) < WINDOW_MIN_BYTES:
         return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
     with digest.thread.transfer():  # the GIL is free while Mooncake moves the bytes
         return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
