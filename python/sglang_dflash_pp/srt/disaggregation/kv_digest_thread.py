@@ -8,12 +8,14 @@ verifies, instead of before them on the worker: the worker only hands over refer
 (:meth:`DigestThread.wait`), for what the thread has not finished yet. Jobs run in submission
 order, so a room's sums are complete when every job submitted before that wait has run.
 
-The thread runs its jobs while a worker is inside a transfer (:meth:`DigestThread.transfer`
-marks it) or waits for it, not while the workers run Python: the GIL has one holder, and a
-worker that wakes from a transfer while this thread holds it would wait for it (up to the
-interpreter's switch interval). With no transfer for ``IDLE_S`` the thread runs anyway (the
-workers are idle then too). When it runs out of jobs inside such a window it calls ``on_idle``
-(the digest of what is queued): digesting early leaves less for the room's last wait.
+The thread is woken only when a worker enters a transfer with jobs queued
+(:meth:`DigestThread.transfer` marks it) or waits for it, and then runs every queued job: each
+wake-up hands the GIL over twice, and a worker that wakes from a transfer while this thread
+holds the GIL waits for it, so the thread runs in few, long stretches inside the workers'
+GIL-free waits, not once per job. With no such wake-up for ``IDLE_S`` it runs anyway (the
+workers are idle then too). When it runs out of jobs while a worker is still inside a transfer
+it calls ``on_idle`` (the digest of what is queued): digesting early leaves less for the room's
+last wait.
 
 Started at startup, a daemon; it never touches the GPU itself except through what its jobs do.
 No sglang import.
@@ -21,11 +23,11 @@ No sglang import.
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Deque, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -35,26 +37,26 @@ IDLE_S = 0.05  # no transfer this long: the workers are idle, the thread need no
 
 class DigestThread:
     def __init__(self, name: str, on_idle: Optional[Callable[[], None]] = None):
-        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._jobs: Deque[Tuple[Callable, tuple]] = collections.deque()  # append/popleft: atomic
+        self._wake = threading.Event()
         self._on_idle = on_idle
-        self._open = threading.Event()  # set while a worker is in a transfer or waits here
-        self._inside = 0
+        self._inside = 0  # workers inside a transfer, or waiting here
         self._inside_lock = threading.Lock()
         self.busy_s = 0.0  # time spent in jobs and idle digests (the benchmark reads it)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable, *args) -> None:
-        """Run ``fn(*args)`` on the thread after every job submitted before it. A job that
-        raises is logged; it must itself fail whatever depends on it (the digest's jobs fail
-        their rooms)."""
-        self._jobs.put((fn, args))
+        """Run ``fn(*args)`` on the thread after every job submitted before it (at the next
+        transfer or wait). A job that raises is logged; it must itself fail whatever depends on
+        it (the digest's jobs fail their rooms)."""
+        self._jobs.append((fn, args))
 
     def wait(self, timeout_s: float) -> bool:
         """Block until every job submitted before this call has run; False on timeout (the
         thread stuck or gone: the caller fails the rooms it waited for, never hangs)."""
         done = threading.Event()
-        self._jobs.put((done.set, ()))
+        self._jobs.append((done.set, ()))
         with self.transfer():  # this worker holds no GIL while it waits
             return done.wait(timeout_s)
 
@@ -69,21 +71,21 @@ class DigestThread:
     def _enter(self) -> None:
         with self._inside_lock:
             self._inside += 1
-            self._open.set()
+        if self._jobs:
+            self._wake.set()
 
     def _exit(self) -> None:
         with self._inside_lock:
             self._inside -= 1
-            if self._inside == 0:
-                self._open.clear()
 
     def _run(self) -> None:
         while True:
-            fn, args = self._jobs.get()
-            self._open.wait(IDLE_S)
-            self._timed(fn, *args)
-            if self._on_idle is not None and self._jobs.empty():
-                self._open.wait(IDLE_S)
+            self._wake.wait(IDLE_S)
+            self._wake.clear()
+            while self._jobs:
+                fn, args = self._jobs.popleft()
+                self._timed(fn, *args)
+            if self._on_idle is not None and self._inside > 0:
                 self._timed(self._on_idle)
 
     def _timed(self, fn: Callable, *args) -> None:
