@@ -441,7 +441,9 @@ class SendPath:
         kds, mdk = self.kds, self.mdk
         m = self.manager if digest else self.manager_off
         move = _moved if link_bps is None else _moving(link_bps)
-        mdk.transfer_chunk.begin(m, SimpleNamespace(room=room, wait_event=wait_event))
+        # the transfer worker hook's begin_chunk / end_chunk (the chunk's _Pending: inline on a
+        # last chunk)
+        mdk.begin_chunk(m, SimpleNamespace(room=room, wait_event=wait_event, is_last_chunk=last))
         try:
             for r in self.g.decode_ranks:
                 session = self.sessions[r]
@@ -467,8 +469,7 @@ class SendPath:
                 kds.flush(m)  # send_aux_around's wait for the digest thread
             return t_flush
         finally:
-            kds.end_chunk(m)  # mooncake_draft_kv.end_chunk
-            mdk.transfer_chunk.end()
+            mdk.end_chunk()
 
     def drain(self):
         """Wait for the digest thread's queue (untimed, between samples); its seconds."""
@@ -499,7 +500,7 @@ class SendPath:
 
     def add_and_flush(self, room, wait_event, blocks):
         kds, m = self.kds, self.manager
-        self.mdk.transfer_chunk.begin(m, SimpleNamespace(room=room, wait_event=wait_event))
+        self.mdk.begin_chunk(m, SimpleNamespace(room=room, wait_event=wait_event, is_last_chunk=False))
         try:
             for r in self.g.decode_ranks:
                 for b in blocks[r]:
@@ -508,8 +509,7 @@ class SendPath:
             kds.flush(m)
             return t_flush
         finally:
-            kds.end_chunk(m)
-            self.mdk.transfer_chunk.end()
+            self.mdk.end_chunk()
 
     def pop(self, room):
         """The room's contributions per decode rank (what ``send_aux_around`` sends)."""

@@ -186,19 +186,21 @@ def _chunk_manager(engine, failures, sent):
         conclude_failure=lambda **kw: failures.append(kw))
 
 
-def _send_one_chunk(manager, regs, room, base, nbytes):
+def _send_one_chunk(manager, regs, room, base, nbytes, last=False, dst=0, aux=True):
     from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv, transfer_chunk
 
     original, _ = _recording()
-    mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(room=room, wait_event=None))
     manager.request_status[room] = KVPoll.Transferring
+    mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(room=room, wait_event=None,
+                                                                 is_last_chunk=last))  # fmt: skip
     try:
         with kv_digest_send.scope(manager, "d0", None):
             kv_digest_send.batch_transfer_sync_around(original, manager.engine, "d0", [base],
-                                                      [1 << 40], [nbytes])  # fmt: skip
-        aux = types.SimpleNamespace(room=room, mooncake_session_id="d0", is_dummy=False,
-                                    required_dst_info_num=1, endpoint="127.0.0.1", dst_port=1)
-        kv_digest_send.send_aux_around(original, manager, aux, 0, [])
+                                                      [(1 << 40) + dst], [nbytes])  # fmt: skip
+        if aux:
+            aux = types.SimpleNamespace(room=room, mooncake_session_id="d0", is_dummy=False,
+                                        required_dst_info_num=1, endpoint="127.0.0.1", dst_port=1)
+            kv_digest_send.send_aux_around(original, manager, aux, 0, [])
     finally:
         mooncake_draft_kv.end_chunk()
         assert transfer_chunk.chunk_manager() is None
@@ -282,3 +284,24 @@ def test_the_digest_thread_runs_inside_transfer_windows_or_when_the_workers_are_
     idle = threading.Event()
     thread.submit(idle.set)
     assert idle.wait(5)  # no window at all: after IDLE_S
+
+
+def test_a_room_sums_its_middle_chunks_on_the_thread_and_its_last_chunk_inline():
+    """Two middle chunks of a room (queued for the digest thread) and its last chunk (digested
+    by the worker at the status): the decode rank's sums cover the three chunks' bytes."""
+    import numpy as np
+
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks, BufferKind, buffer_key
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import decode, digest_blocks_host
+    from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
+
+    src = np.random.default_rng(3).integers(0, 256, 768, dtype=np.uint8)
+    failures, sent = [], []
+    regs, manager = _chunk_manager(DigestEngine("cpu"), failures, sent)
+    for i in range(3):
+        _send_one_chunk(manager, regs, 7, src.ctypes.data + 256 * i, 256, last=i == 2,
+                        dst=256 * i, aux=i == 2)  # fmt: skip
+    keys = [buffer_key(BufferKind.KV, 0)]
+    want = digest_blocks_host(Blocks.of([src.ctypes.data], [0], 768, 0), keys)
+    assert failures == [] and len(sent) == 1
+    assert decode(sent[0]).sums == {(1, 0): int(want[0])}

@@ -158,51 +158,73 @@ def _fail(manager, room: int, session: str, error: BaseException) -> None:
 
 
 class _Pending:
-    """One transfer worker's blocks not digested yet, with what its current chunk already
-    digested. Touched only on the digest thread (the worker submits jobs that queue into it),
-    except ``aux``, the worker's own."""
+    """One chunk's blocks not digested yet, and the sums it already digested. A middle chunk's
+    are queued and digested on the digest thread, during the chunk's transfers and the next
+    chunk's; a room's last chunk is digested inline, by the threads that send it and at its
+    status, as nothing after it can hide the work (``benchmark/gpu/results``: the hand-off and
+    the final wait cost more than they hide there)."""
 
-    def __init__(self):
+    def __init__(self, inline: bool = False):
+        self.inline = inline
         self.manager = None
         self.parts: List[Tuple[int, str, object, Blocks]] = []  # room, session, registration
         self.written: Tuple = ()
         # This chunk's sums per (blocks, tables) signature: a prefill rank sends the same target
         # MLA KV, at the same offsets, to each of its decode ranks, and a draft head to each rank
-        # that holds it; whichever flush digests such a part first, the others reuse its sums.
+        # that holds it; whichever digest sees such a part first, the others reuse its sums.
         self.known: Dict[Tuple, np.ndarray] = {}
-        self.aux: Dict[int, List[object]] = {}  # room -> the TransferInfos its aux went to
+        self._lock = threading.Lock()  # inline: sglang's executor threads queue here too
 
     def queue(self, manager, room: int, session: str, registration, blocks: Blocks, written):
-        if self.manager is not None and self.manager is not manager:
-            raise RuntimeError("one transfer worker digesting for two KV managers")
-        self.manager = manager
-        self.written = written or self.written
-        self.parts.append((int(room), session, registration, blocks))
-        digest_of(manager)._dirty[id(self)] = self
+        with self._lock:
+            if self.manager is not None and self.manager is not manager:
+                raise RuntimeError("one transfer worker digesting for two KV managers")
+            self.manager = manager
+            self.written = written or self.written
+            self.parts.append((int(room), session, registration, blocks))
+        if not self.inline:
+            digest_of(manager)._dirty[id(self)] = self
 
     def take(self):
-        parts, self.parts = self.parts, []
-        taken = (parts, self.manager, self.written)
-        self.manager, self.written = None, ()
+        with self._lock:
+            parts, self.parts = self.parts, []
+            taken = (parts, self.manager, self.written)
+            self.manager, self.written = None, ()
         return taken
+
+    def run(self, manager, fn, *args) -> None:
+        """``fn(*args)``, here on a last chunk, else on the digest thread."""
+        if self.inline:
+            fn(*args)
+        else:
+            digest_of(manager).thread.submit(fn, *args)
 
 
 def _pending() -> _Pending:
+    """This worker thread's current chunk's (``begin_chunk`` starts one per chunk)."""
     p = getattr(_scope, "pending", None)
     if p is None:
         p = _scope.pending = _Pending()
     return p
 
 
+def _aux() -> Dict[int, List[object]]:
+    """This worker thread's rooms whose aux went to some of their decode ranks already."""
+    a = getattr(_scope, "aux", None)
+    if a is None:
+        a = _scope.aux = {}
+    return a
+
+
 def add_blocks(manager, room: Optional[int], session: str, registration, blocks) -> None:
     """Queue ``blocks`` (destinations already as decode offsets and slots of the registration's
-    tables; or a function that builds them, run on the digest thread) for the room's sums of
-    ``session``."""
-    digest = digest_of(manager)
-    if digest is None or room is None:
+    tables; or a function that builds them, run where the chunk is digested) for the room's
+    sums of ``session``."""
+    if digest_of(manager) is None or room is None:
         return
-    digest.thread.submit(_queue_job, _pending(), manager, int(room), session, registration,
-                         blocks, transfer_chunk.written())  # fmt: skip
+    pending = _pending()
+    pending.run(manager, _queue_job, pending, manager, int(room), session, registration, blocks,
+                transfer_chunk.written())  # fmt: skip
 
 
 def _queue_job(pending, manager, room, session, registration, blocks, written) -> None:
@@ -267,26 +289,25 @@ def _digest_pending(pending: _Pending) -> None:
         digest.add(room, session, tables, pending.known[signature])
 
 
-def _end_job(pending: _Pending) -> None:
-    _digest_pending(pending)
-    pending.known = {}
-
-
 def flush(manager) -> bool:
-    """Wait until the digest thread has added every block this worker queued to its rooms'
-    sums; False (and every room this worker has open failed) if it did not in time."""
+    """Add every block this worker sent so far to its rooms' sums (this chunk's here if it is
+    a last chunk, then the digest thread's queue, earlier chunks included); False (and every
+    room this worker has open failed) if the thread did not finish in time."""
     digest = digest_of(manager)
     if digest is None:
         return True
     pending = _pending()
-    digest.thread.submit(_digest_pending, pending)
+    if pending.inline:
+        _digest_pending(pending)
+    else:
+        digest.thread.submit(_digest_pending, pending)
     if digest.thread.wait(_wait_bound_s()):
         return True
     error = RuntimeError(
         f"the digest thread did not finish this chunk's digest in {_wait_bound_s():g} s "
         f"({'stuck' if digest.thread.alive else 'gone'}; {TIMEOUT_ENV})"
     )
-    for room, requests in list(pending.aux.items()):
+    for room, requests in list(_aux().items()):
         for r in requests:
             _fail(manager, room, r.mooncake_session_id, error)
     return False
@@ -297,14 +318,14 @@ def _wait_bound_s() -> float:
 
 
 def end_chunk(manager) -> None:
-    """The worker is done with its chunk: what it queued is digested on the thread, and the
-    chunk's known sums dropped after it (the next chunk's bytes are other bytes)."""
+    """The worker is done with its chunk: what it queued is digested on the thread (the next
+    chunk starts its own, whose bytes are other bytes)."""
     p = getattr(_scope, "pending", None)
+    _scope.pending = None
     digest = digest_of(manager)
-    if p is not None:
-        if digest is not None:
-            digest.thread.submit(_end_job, p)
-        p.aux.clear()
+    if p is not None and digest is not None:
+        digest.thread.submit(_digest_pending, p)
+    _aux().clear()
 
 
 class _Scope:
@@ -320,9 +341,9 @@ class _Scope:
     def add(self, src, dst, length) -> None:
         """sglang's descriptor lists of one ``batch_transfer_sync`` (fresh lists per call in
         0.5.23, kept by reference), resolved on the digest thread while they are sent."""
-        digest_of(self.manager).thread.submit(
-            _resolve_job, self.pending, self.manager, self.room, self.session, self.registration,
-            self.kind, src, dst, length, self.written)  # fmt: skip
+        self.pending.run(self.manager, _resolve_job, self.pending, self.manager, self.room,
+                         self.session, self.registration, self.kind, src, dst, length,
+                         self.written)  # fmt: skip
 
 
 class _ScopedExecutor:
@@ -411,11 +432,11 @@ def send_aux_around(original, self, req, *args, **kwargs):
     if digest is None or getattr(req, "is_dummy", False):
         return original(self, req, *args, **kwargs)
     room = int(req.room)
-    done = _pending().aux.setdefault(room, [])
+    done = _aux().setdefault(room, [])
     done.append(req)
     if len(done) >= int(getattr(req, "required_dst_info_num", 1) or 1):
         verified = flush(self)  # False: the worker's open rooms failed, naming the thread
-        _pending().aux.pop(room, None)
+        _aux().pop(room, None)
         for r in done if verified else ():
             try:
                 _send_contribution(self, digest.pop(room, r.mooncake_session_id), r)
@@ -432,15 +453,21 @@ def _send_contribution(manager, contribution: Contribution, req) -> None:
 
 
 def begin_chunk(manager, chunk) -> None:
-    """A worker takes ``chunk``: sums of a room that already failed are dropped."""
+    """A worker takes ``chunk``: its blocks get a :class:`_Pending` of their own (digested
+    inline on a room's last chunk); sums of a room that already failed are dropped."""
     digest = digest_of(manager)
     if digest is None or chunk is None:
         return
+    _scope.pending = _Pending(inline=bool(getattr(chunk, "is_last_chunk", False)))
+    status = getattr(manager, "request_status", {}).get(chunk.room)
+    if status is None or _failed(status):  # after the sums its earlier chunks' jobs still add
+        digest.thread.submit(digest.forget_room, chunk.room)
+
+
+def _failed(status) -> bool:
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    status = getattr(manager, "request_status", {}).get(chunk.room, KVPoll.Failed)
-    if status == KVPoll.Failed:  # after the sums its earlier chunks' jobs still add
-        digest.thread.submit(digest.forget_room, chunk.room)
+    return status == KVPoll.Failed
 
 
 # -- startup ---------------------------------------------------------------------------------
