@@ -299,6 +299,8 @@ def flush(manager) -> bool:
     pending = _pending()
     if pending.inline:
         _digest_pending(pending)
+        if digest.thread.idle:  # the room's earlier chunks are digested already
+            return True
     else:
         digest.thread.submit(_digest_pending, pending)
     if digest.thread.wait(_wait_bound_s()):
@@ -459,7 +461,10 @@ def begin_chunk(manager, chunk) -> None:
     if digest is None or chunk is None:
         return
     _scope.pending = _Pending(inline=bool(getattr(chunk, "is_last_chunk", False)))
-    status = getattr(manager, "request_status", {}).get(chunk.room)
+    statuses = getattr(manager, "request_status", None)
+    if statuses is None:
+        return
+    status = statuses.get(chunk.room)
     if status is None or _failed(status):  # after the sums its earlier chunks' jobs still add
         digest.thread.submit(digest.forget_room, chunk.room)
 

@@ -41,6 +41,7 @@ class DigestThread:
         self._wake = threading.Event()
         self._on_idle = on_idle
         self._inside = 0  # workers inside a transfer, or waiting here
+        self._busy = False
         self._inside_lock = threading.Lock()
         self.busy_s = 0.0  # time spent in jobs and idle digests (the benchmark reads it)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -68,6 +69,11 @@ class DigestThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def idle(self) -> bool:
+        """Every job submitted so far has run (``_busy`` is set before a job is taken)."""
+        return not self._busy and not self._jobs
+
     def _enter(self) -> None:
         with self._inside_lock:
             self._inside += 1
@@ -82,11 +88,13 @@ class DigestThread:
         while True:
             self._wake.wait(IDLE_S)
             self._wake.clear()
+            self._busy = True
             while self._jobs:
                 fn, args = self._jobs.popleft()
                 self._timed(fn, *args)
             if self._on_idle is not None and self._inside > 0:
                 self._timed(self._on_idle)
+            self._busy = False
 
     def _timed(self, fn: Callable, *args) -> None:
         t0 = time.perf_counter()
