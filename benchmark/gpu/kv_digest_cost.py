@@ -50,6 +50,15 @@ chunk's ``wait_event``; every variant once per repetition, in rotating order):
   with the table on the device, for the shipped tile shape and a sweep of others;
   ``host_prep``/``host_steps``/``direct_call_steps``: the host parts of a direct call.
 
+Over the link (``over_link_*``): the same send path, each ``batch_transfer_sync`` (and the draft's
+transfer, through the same hook) taking its bytes' time at 50 GB/s in ``time.sleep`` (the GIL
+released, as Mooncake's transfer releases it); a middle chunk ends as the worker's does
+(``end_chunk``: its digest goes on, on the digest thread, during the next chunk), a last chunk
+waits at the status (``flush``). Timed against the same sends with the digest off, in one loop:
+exposed = wall(on) - wall(off), medians; the digest thread's queue is drained after each sample
+(untimed: its lag) and its busy time read. ``_all_inline``: a middle chunk digested by the
+worker itself before the chunk ends (the synchronous design, the same functions).
+
 Ratio: digest time / (chunk bytes / 50 GB/s), chunk bytes = the bytes of the chunk's descriptors
 to the 8 decode ranks (what Mooncake moves for them; the draft's equal its digest blocks').
 
@@ -431,7 +440,7 @@ class SendPath:
     def stream(self):
         return self.engine._gpu.stream if self.engine.on_gpu else None
 
-    def chunk(self, room, wait_event, last, link_bps=None, digest=True):
+    def chunk(self, room, wait_event, last, link_bps=None, digest=True, inline=False):
         """One chunk's sends to the 8 decode ranks as the hooks see them; returns the host clock
         at the ``flush`` call. Without ``link_bps`` the transfers take no time and the flush
         waits for every digest of the chunk (what the digest costs when nothing hides it); with
@@ -444,6 +453,8 @@ class SendPath:
         # the transfer worker hook's begin_chunk / end_chunk (the chunk's _Pending: inline on a
         # last chunk)
         mdk.begin_chunk(m, SimpleNamespace(room=room, wait_event=wait_event, is_last_chunk=last))
+        if inline and digest:  # the synchronous variant: this chunk digested by the worker
+            kds._pending().inline = True
         try:
             for r in self.g.decode_ranks:
                 session = self.sessions[r]
@@ -465,7 +476,7 @@ class SendPath:
                     with kds.scope(m, session, None, kds.BufferKind.STATE):
                         kds.batch_transfer_sync_around(move, self.mooncake, session, *self.state[r])
             t_flush = time.perf_counter()
-            if link_bps is None or last:
+            if link_bps is None or last or inline:
                 kds.flush(m)  # send_aux_around's wait for the digest thread
             return t_flush
         finally:
@@ -705,27 +716,24 @@ def run(args):
     # After each sample (untimed) the digest thread's queue is drained: its lag behind the
     # worker, and its busy time for the chunk.
     thread_use = {}
-    from sglang_dflash_pp.srt.disaggregation import kv_digest_send as kds_module
 
-    # The shipped policy for early digests and the others (SendDigest.eager_interval_s).
-    policies = {"": kds_module.EAGER_INTERVAL_S, "_eager_never": None, "_eager_every_2ms": 0.002,
-                "_eager_always": 0.0}  # fmt: skip
-    policies = {k: v for i, (k, v) in enumerate(policies.items())
-                if i == 0 or v != kds_module.EAGER_INTERVAL_S}  # fmt: skip
-    thread_use.update({f"{w}{p}": dict(lag=[], busy=[]) for w in ("middle", "last") for p in policies})
+    # The shipped split (a middle chunk on the digest thread, a last chunk inline) against every
+    # chunk inline (the worker resolves and digests its chunk itself before the chunk ends: the
+    # synchronous design, the same functions), same run.
+    modes = {"": False, "_all_inline": True}
+    thread_use.update({f"{w}{m}": dict(lag=[], busy=[]) for w in ("middle", "last") for m in modes})
 
-    def over_link(last, on, policy=""):
+    def over_link(last, on, mode=""):
         def fn(e):
             room["now"] = next(sp.rooms)
             room["busy0"] = sp.manager._dflash_kv_digest.thread.busy_s
-            sp.manager._dflash_kv_digest.eager_interval_s = policies[policy]
-            return sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on)
+            return sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on, inline=modes[mode])
         return fn
 
-    def drained(last, policy=""):
+    def drained(last, mode=""):
         def after():
             lag = sp.drain()
-            use = thread_use[("last" if last else "middle") + policy]
+            use = thread_use[("last" if last else "middle") + mode]
             use["lag"].append(lag)
             use["busy"].append(sp.manager._dflash_kv_digest.thread.busy_s - room["busy0"])
             sp.pop(room["now"])
@@ -733,9 +741,9 @@ def run(args):
 
     chunk_call = lambda e: dig.digest(chunk, chunk_keys, wait_events=(e,))  # noqa: E731
     results = timed({
-        **{f"over_link_{w}_chunk_digest_on{p}": (over_link(w == "last", True, p), sp.stream,
-                                                 drained(w == "last", p))
-           for w in ("middle", "last") for p in policies},
+        **{f"over_link_{w}_chunk_digest_on{m}": (over_link(w == "last", True, m), sp.stream,
+                                                 drained(w == "last", m))
+           for w in ("middle", "last") for m in modes if not (w == "last" and m)},
         "over_link_middle_chunk_digest_off": (over_link(False, False), sp.stream, None),
         "over_link_last_chunk_digest_off": (over_link(True, False), sp.stream, None),
         "shipped_send_path_middle_chunk": (shipped(False), sp.stream, pop),
@@ -753,16 +761,17 @@ def run(args):
             lambda e: dig.digest(kd.Blocks.empty(), chunk_keys, wait_events=(e,)), dig.stream, None),
     })  # fmt: skip
     direct = dig._direct
-    sp.manager._dflash_kv_digest.eager_interval_s = kds_module.EAGER_INTERVAL_S
-    for (which, link), policy in itertools.product((("middle", link_mid), ("last", link_last)), policies):
-        on = results[f"over_link_{which}_chunk_digest_on{policy}"]["wall_s"]
+    for (which, link), mode in itertools.product((("middle", link_mid), ("last", link_last)), modes):
+        if f"over_link_{which}_chunk_digest_on{mode}" not in results:
+            continue
+        on = results[f"over_link_{which}_chunk_digest_on{mode}"]["wall_s"]
         off = results[f"over_link_{which}_chunk_digest_off"]["wall_s"]
-        use = thread_use[which + policy]
+        use = thread_use[which + mode]
         n = min(len(use["busy"]), len(use["lag"]))
         busy = use["busy"][-args.reps:] if n >= args.reps else use["busy"]
         lag = use["lag"][-args.reps:] if n >= args.reps else use["lag"]
-        results[f"over_link_{which}_chunk_exposed{policy}"] = dict(
-            eager_interval_s=policies[policy],
+        results[f"over_link_{which}_chunk_exposed{mode}"] = dict(
+            inline=modes[mode] or which == "last",
             exposed_s=on["median"] - off["median"],
             over_link_time=(on["median"] - off["median"]) / link,
             emulated_link_s=link, wall_on_median_s=on["median"], wall_off_median_s=off["median"],
@@ -1233,17 +1242,17 @@ def section(r, name="kv_digest_cost.json"):
         "medians of one loop; the digest thread's busy time per chunk; its lag = how long its queue "
         "still took after the worker's chunk ended (drained between samples).",
         "",
-        "| chunk | early digests | wall, digest off | wall, digest on | **exposed: on - off** | digest thread busy | thread lag after the chunk |",
+        "| chunk | digested | wall, digest off | wall, digest on | **exposed: on - off** | digest thread busy | thread lag after the chunk |",
         "|---|---|---|---|---|---|---|",
     ]
     for key in [k for k in res if k.startswith("over_link_") and "_chunk_exposed" in k]:
-        which, policy = key[len("over_link_"):].split("_chunk_exposed")
+        which, mode = key[len("over_link_"):].split("_chunk_exposed")
         x = res[key]
-        on, off = res[f"over_link_{which}_chunk_digest_on{policy}"], res[f"over_link_{which}_chunk_digest_off"]
-        every = x["eager_interval_s"]
-        eager = "never" if every is None else ("when idle" if every == 0 else f"at most every {every * 1e3:g} ms")
+        on, off = res[f"over_link_{which}_chunk_digest_on{mode}"], res[f"over_link_{which}_chunk_digest_off"]
+        how = ("inline, before the chunk ends (the synchronous design)" if mode else
+               "inline, before the status (shipped)" if which == "last" else "on the digest thread (shipped)")
         out.append(
-            f"| {which} | {eager}{' (shipped)' if not policy else ''} | {us(off['wall_s'])} "
+            f"| {which} | {how} | {us(off['wall_s'])} "
             f"({100 * x['wall_off_over_link_time']:.0f}% of the link time) | "
             f"{us(on['wall_s'])} | **{x['exposed_s'] * 1e6:.0f} = {100 * x['over_link_time']:.1f}%** | "
             f"{us(x['thread_busy_s'])} ({100 * x['thread_busy_over_link_time']:.0f}%) | "
@@ -1252,9 +1261,7 @@ def section(r, name="kv_digest_cost.json"):
         "met" if res[f"over_link_{which}_chunk_exposed"]["over_link_time"] < GOAL else "not met")
     if "over_link_middle_chunk_exposed" in res:
         out += ["", f"Goal < {100 * GOAL:.0f}% of the link time, as the time the digest adds to the "
-                f"chunk's sends: middle chunk {verdict('middle')}, last chunk {verdict('last')}. With "
-                "nothing to hide behind (the rows above) the digest's work is the shipped send path's "
-                "wall time."]
+                f"chunk's sends (shipped): middle chunk {verdict('middle')}, last chunk {verdict('last')}."]
     prev = r.get("previous_run")
     if prev:
         pp = prev["provenance"]
@@ -1446,6 +1453,8 @@ def smoke():
         last_link = sp.pop(4)
         sp.chunk(5, None, True, link_bps=LINK_BPS, digest=False)
         off = sp.pop(5)
+        sp.chunk(6, None, False, link_bps=LINK_BPS, inline=True)
+        mid_inline = sp.pop(6)
         sp.popped = last  # what decode_side_state compares with
     finally:
         sys.meta_path.remove(blocker)
@@ -1464,7 +1473,7 @@ def smoke():
                                for r in g.decode_ranks],
         state_keys=len([k for k in last[g.decode_ranks[0]].sums if k[0] == 2]),
         over_link_equals_without=[mid_link[r].sums == mid[r].sums and last_link[r].sums == last[r].sums
-                                  for r in g.decode_ranks],
+                                  and mid_inline[r].sums == mid[r].sums for r in g.decode_ranks],
         digest_off_sends_no_sums=all(not off[r].sums for r in g.decode_ranks),
         sglang_imports_refused_on_the_shipped_path=imported, host_s=[t1 - t0, t2 - t1],
         bytes=[sp.bytes(False), sp.bytes(True)]), indent=1))  # fmt: skip

@@ -261,9 +261,9 @@ def test_a_stuck_digest_thread_fails_the_room_without_its_sums(monkeypatch):
     assert "digest thread" in reason and TIMEOUT_ENV in reason and "0.5 s" in reason
 
 
-def test_the_digest_thread_runs_inside_transfer_windows_or_when_the_workers_are_idle():
-    """Jobs wait for a worker to be inside a transfer (the GIL free) or waiting for the thread;
-    with no transfer for IDLE_S they run anyway; jobs run in order."""
+def test_the_digest_thread_runs_when_a_worker_enters_a_transfer_or_the_workers_are_idle():
+    """Jobs wait for a worker to enter a transfer (the GIL free) or to wait for the thread; with
+    no transfer for IDLE_S they run anyway; jobs run in order."""
     import threading
     import time
 
@@ -275,8 +275,8 @@ def test_the_digest_thread_runs_inside_transfer_windows_or_when_the_workers_are_
     thread.submit(lambda: (ran.append(1), first.set()))
     time.sleep(IDLE_S / 5)
     assert ran == []  # no window yet, and not idle long enough
-    with thread.transfer():
-        assert first.wait(5)
+    thread.wake()  # a worker enters a transfer
+    assert first.wait(5)
     t0 = time.monotonic()
     thread.submit(ran.append, 2)
     assert thread.wait(5)  # the waiting worker opens the window itself

@@ -68,7 +68,6 @@ logger = logging.getLogger(__name__)
 _ENGINE_ATTR = "_dflash_kv_digest"  # on the KV manager: the SendDigest, when on
 _TABLES_ATTR = "_dflash_kv_digest_tables"  # on a decode's KVArgsRegisterInfo
 _scope = threading.local()
-EAGER_INTERVAL_S: Optional[float] = 0.0  # see SendDigest.eager_interval_s
 # A transfer shorter than a job of the digest thread is no window for it: a worker that wakes
 # while the thread holds the GIL waits for the job (a state slice, a few KB, is ~1 us of link).
 WINDOW_MIN_BYTES = 1 << 20
@@ -84,12 +83,7 @@ class SendDigest:
         self.sender = sender
         self._lock = threading.Lock()
         self._sums: Dict[Tuple[int, str], Tuple[tuple, np.ndarray]] = {}
-        self._dirty: Dict[int, "_Pending"] = {}  # pendings with blocks queued (thread only)
-        # An early digest costs an engine call's fixed part (a GPU round trip and its Python);
-        # at most one per this interval (None: only at the chunk's end and the room's wait).
-        self.eager_interval_s: Optional[float] = EAGER_INTERVAL_S
-        self._last_eager = 0.0
-        self.thread = DigestThread(f"kv-digest-{sender.describe()}", on_idle=self._digest_dirty)
+        self.thread = DigestThread(f"kv-digest-{sender.describe()}")
 
     def add(self, room: int, session: str, tables, sums: np.ndarray) -> None:
         with self._lock:
@@ -111,16 +105,6 @@ class SendDigest:
         with self._lock:
             for key in [k for k in self._sums if k[0] == room]:
                 del self._sums[key]
-
-    def _digest_dirty(self) -> None:
-        """The thread is out of jobs: digest what its workers queued so far."""
-        now = time.perf_counter()
-        if self.eager_interval_s is None or now - self._last_eager < self.eager_interval_s:
-            return
-        self._last_eager = now
-        dirty, self._dirty = self._dirty, {}
-        for pending in dirty.values():
-            _digest_pending(pending)
 
 
 def digest_of(manager) -> Optional[SendDigest]:
@@ -182,8 +166,6 @@ class _Pending:
             self.manager = manager
             self.written = written or self.written
             self.parts.append((int(room), session, registration, blocks))
-        if not self.inline:
-            digest_of(manager)._dirty[id(self)] = self
 
     def take(self):
         with self._lock:
@@ -413,10 +395,9 @@ def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_
         current.add(buffers, peer_buffer_addresses, lengths)
     manager = current.manager if current is not None else transfer_chunk.chunk_manager()
     digest = digest_of(manager) if manager is not None else None
-    if digest is None or sum(lengths) < WINDOW_MIN_BYTES:
-        return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
-    with digest.thread.transfer():  # the GIL is free while Mooncake moves the bytes
-        return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
+    if digest is not None and sum(lengths) >= WINDOW_MIN_BYTES:
+        digest.thread.wake()  # the GIL is free while Mooncake moves the bytes
+    return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
 
 
 def maybe_send_extra_around(original, self, req, prefill_state_indices, executor, *args, **kwargs):

@@ -9,13 +9,11 @@ verifies, instead of before them on the worker: the worker only hands over refer
 order, so a room's sums are complete when every job submitted before that wait has run.
 
 The thread is woken only when a worker enters a transfer with jobs queued
-(:meth:`DigestThread.transfer` marks it) or waits for it, and then runs every queued job: each
+(:meth:`DigestThread.wake`) or waits for it, and then runs every queued job: each
 wake-up hands the GIL over twice, and a worker that wakes from a transfer while this thread
 holds the GIL waits for it, so the thread runs in few, long stretches inside the workers'
 GIL-free waits, not once per job. With no such wake-up for ``IDLE_S`` it runs anyway (the
-workers are idle then too). When it runs out of jobs while a worker is still inside a transfer
-it calls ``on_idle`` (the digest of what is queued): digesting early leaves less for the room's
-last wait.
+workers are idle then too).
 
 Started at startup, a daemon; it never touches the GPU itself except through what its jobs do.
 No sglang import.
@@ -27,7 +25,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Callable, Deque, Optional, Tuple
+from typing import Callable, Deque, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +34,11 @@ IDLE_S = 0.05  # no transfer this long: the workers are idle, the thread need no
 
 
 class DigestThread:
-    def __init__(self, name: str, on_idle: Optional[Callable[[], None]] = None):
+    def __init__(self, name: str):
         self._jobs: Deque[Tuple[Callable, tuple]] = collections.deque()  # append/popleft: atomic
         self._wake = threading.Event()
-        self._on_idle = on_idle
-        self._inside = 0  # workers inside a transfer, or waiting here
         self._busy = False
-        self._inside_lock = threading.Lock()
-        self.busy_s = 0.0  # time spent in jobs and idle digests (the benchmark reads it)
+        self.busy_s = 0.0  # time spent in jobs (the benchmark reads it)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -58,12 +53,13 @@ class DigestThread:
         thread stuck or gone: the caller fails the rooms it waited for, never hangs)."""
         done = threading.Event()
         self._jobs.append((done.set, ()))
-        with self.transfer():  # this worker holds no GIL while it waits
-            return done.wait(timeout_s)
+        self.wake()  # this worker holds no GIL while it waits
+        return done.wait(timeout_s)
 
-    def transfer(self) -> "_Inside":
-        """``with thread.transfer(): <a GIL-free wait>``: the thread may run meanwhile."""
-        return _Inside(self)
+    def wake(self) -> None:
+        """A worker is about to wait without the GIL (a transfer): run what is queued."""
+        if self._jobs:
+            self._wake.set()
 
     @property
     def alive(self) -> bool:
@@ -74,16 +70,6 @@ class DigestThread:
         """Every job submitted so far has run (``_busy`` is set before a job is taken)."""
         return not self._busy and not self._jobs
 
-    def _enter(self) -> None:
-        with self._inside_lock:
-            self._inside += 1
-        if self._jobs:
-            self._wake.set()
-
-    def _exit(self) -> None:
-        with self._inside_lock:
-            self._inside -= 1
-
     def _run(self) -> None:
         while True:
             self._wake.wait(IDLE_S)
@@ -92,8 +78,6 @@ class DigestThread:
             while self._jobs:
                 fn, args = self._jobs.popleft()
                 self._timed(fn, *args)
-            if self._on_idle is not None and self._inside > 0:
-                self._timed(self._on_idle)
             self._busy = False
 
     def _timed(self, fn: Callable, *args) -> None:
@@ -103,18 +87,3 @@ class DigestThread:
         except BaseException:  # a job's own failure path has run; keep serving the rest
             logger.exception("KV digest job %r failed", getattr(fn, "__name__", fn))
         self.busy_s += time.perf_counter() - t0
-
-
-class _Inside:
-    __slots__ = ("_thread",)
-
-    def __init__(self, thread: DigestThread):
-        self._thread = thread
-
-    def __enter__(self):
-        self._thread._enter()
-        return self
-
-    def __exit__(self, *exc):
-        self._thread._exit()
-        return False
