@@ -176,8 +176,6 @@ def test_one_digest_per_chunk_and_every_rank_gets_its_sums_before_the_last_aux()
 
 
 def _chunk_manager(engine, failures, sent):
-    import numpy as np  # noqa: F401
-
     regs = {"d0": types.SimpleNamespace(dst_kv_ptrs=[1 << 40], dst_state_data_ptrs=[])}
     return regs, types.SimpleNamespace(
         engine=object(), decode_kv_args_table=regs, request_status={},

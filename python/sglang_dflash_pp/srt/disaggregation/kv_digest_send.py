@@ -9,18 +9,21 @@ sums go to the decode as one small ZMQ message on the socket the transfer status
 decode that sees the room complete holds every sender's contribution. The decode side is
 ``kv_digest_verify``.
 
-The digest's host work runs on a thread of its own (``kv_digest_thread``), while Mooncake moves
-the bytes (its transfers release the GIL): the send hooks only hand it sglang's descriptor lists
-and the draft's page lists, and the worker waits for it once per room, before the status. The
-thread digests whenever it runs out of work, so at that wait little is left
-(``benchmark/gpu/results``).
+Where the work runs (one :class:`_Pending` per chunk, made by :func:`begin_chunk`): a middle
+chunk's host work goes to a thread of its own (``kv_digest_thread``), which resolves and digests
+it while Mooncake moves the bytes (its transfers release the GIL) and during the next chunk; the
+send hooks only hand it sglang's descriptor lists and the draft's page lists. A room's last
+chunk is digested inline, by the threads that send it and at its status: the prefill frees the
+request's pages once the status is out, so the digest must have read them by then, and nothing
+after it could hide the work. Before the status the worker also waits (bounded) for what the
+thread still has of the room's earlier chunks (``benchmark/gpu/results``: the cost).
 
 Hooks (``sglang/srt/disaggregation/``):
 
 * AFTER ``prefill.PrefillBootstrapQueue.__init__``: on a DFLASH Mooncake prefill with the
   checksum flag, build the digest engine (``kv_digest_engine``: kernel compiled, buffers
-  allocated, before serving) and start its thread and turn off stock's whole-request digest on this prefill
-  (``scheduler.kv_checksum_computer = None``): it digests this rank's own KV range, which a
+  allocated, before serving), start its thread, and turn off stock's whole-request digest on
+  this prefill (``scheduler.kv_checksum_computer = None``): it digests this rank's own KV range, which a
   decode can compare only at the same TP width and without PP, and the composed digest covers
   that layout too.
 * AROUND ``sglang/srt/distributed/device_communicators/mooncake_transfer_engine.py``
@@ -28,7 +31,8 @@ Hooks (``sglang/srt/disaggregation/``):
   call it directly, e.g. ``send_kvcache_slice``): inside a digest scope (a stock send
   ``mooncake_draft_kv`` makes for one decode rank, or the state send below), the descriptors
   sglang built are digested on their way to the engine, their destinations resolved against the
-  decode's registered buffers.
+  decode's registered buffers; a transfer of at least ``WINDOW_MIN_BYTES`` wakes the digest
+  thread for the worker's GIL-free wait.
 * AROUND ``MooncakeKVManager.maybe_send_extra``: the room's state send, in a scope.
 * AROUND ``MooncakeKVManager.send_aux``: the decode rank's contribution, then the aux data.
 
@@ -41,7 +45,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -61,7 +64,6 @@ from sglang_dflash_pp.srt.disaggregation.kv_digest import (
 )
 from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import unsupported_state
 from sglang_dflash_pp.srt.disaggregation.kv_digest_thread import DigestThread
-
 
 logger = logging.getLogger(__name__)
 
