@@ -309,7 +309,8 @@ def end_chunk(manager) -> None:
     p = getattr(_scope, "pending", None)
     _scope.pending = None
     digest = digest_of(manager)
-    if p is not None and digest is not None:
+    # (an inline chunk's parts were digested at its status; any left: a chunk that ended early)
+    if p is not None and digest is not None and (not p.inline or p.parts):
         digest.thread.submit(_digest_pending, p)
     _aux().clear()
 
