@@ -37,6 +37,7 @@ import torch
 
 import cpu_servers
 import e2e_models as models
+import llama_reference
 from deployments import Deployment
 from deployment_args import CHUNK, DECODE_ARGS, prefill_args, server_args
 from draft_kv_dumps import fp32_draft_kv_tolerance, read_dumps
@@ -151,7 +152,7 @@ def _flush(server, timeout_s: float = 120.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def outputs(deployments):
+def outputs(deployments, llama):
     """Every deployment's responses: a sequential round, then the same prompts all at once.
     (d) runs its sequential round on P2 with a flushed cache, like (c)'s first round, so P2
     computes the same draft KV bytes for both decodes."""
@@ -165,6 +166,7 @@ def outputs(deployments):
         }
     _flush(deployments["P2"])
     out["d"] = {"sequential": _run_round(deployments["router-d"].base_url, "d-seq", parallel=False)}
+    llama_reference.record(llama, out)  # the patched-tree module compares against these
     return out
 
 

@@ -29,27 +29,36 @@ ENTRIES = 12  # 6 draft layers x (K, V)
 CORRUPT_SITECUSTOMIZE = """
 import importlib.abc, importlib.util, sys
 
-TARGET = "sglang_dflash_pp.srt.disaggregation.mooncake_draft_kv"
+# Test-only: the first draft KV descriptor the prefill sends lands one byte off. The draft send's
+# one transfer function is draft_kv_send.transfer; the packed send binds it by name.
+TARGETS = {
+    "sglang_dflash_pp.srt.disaggregation.draft_kv_send",
+    "sglang_dflash_pp.srt.disaggregation.draft_kv_packed_send",
+}
+_state = {"corrupted": False}
 
 
 def _patch(module):
-    original = module._transfer
+    original = module.transfer
 
-    def shifted(self, session, descriptors, *args):
-        if not getattr(module, "_corrupted", False):
-            module._corrupted = True
+    def shifted(manager, session, descriptors, *args):
+        if not _state["corrupted"]:
+            _state["corrupted"] = True
             descriptors.dst[0] += 1
-        return original(self, session, descriptors, *args)
+        return original(manager, session, descriptors, *args)
 
-    module._transfer = shifted
+    module.transfer = shifted
 
 
 class _Hook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != TARGET:
+        if name not in TARGETS or getattr(self, "busy", False):
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self.busy = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.busy = False
         run = spec.loader.exec_module
 
         def exec_module(module):

@@ -157,12 +157,71 @@ def decode_main() -> None:
             write_message({"errors": errors, "checked": checked})
 
 
-def prefill_main() -> None:
+PLUGIN_CODE = ("sglang_dflash_pp.srt", "sglang_dflash_pp.hooks", "sglang_dflash_pp.plugin")
+
+
+class _RefusePluginCode:
+    """An import hook of the patched-tree prefill: the plugin's hooks and transfer code must not
+    be needed (its plugin-free tools, ``peer_process`` and the ``qkv_kv_heads`` oracle, are)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name in PLUGIN_CODE or name.startswith(tuple(p + "." for p in PLUGIN_CODE)):
+            raise ImportError(name + " is imported: the patched tree must not need the plugin")
+        return None
+
+
+def plugin_state() -> dict:
+    import sglang
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return {
+        "sglang_file": sglang.__file__,
+        "hooks": sorted(HookRegistry._hooks),
+        "plugin_modules": sorted(m for m in sys.modules if m.startswith(PLUGIN_CODE)),
+    }
+
+
+def _count_tree_packs():
+    """On a tree with PR 6: counters of its packed sends and pack launches, and the staging
+    builder its ``_init_kv_manager`` calls; None on a tree without the pack."""
+    try:
+        from sglang.srt.disaggregation import draft_kv_chunk_packs
+        from sglang.srt.disaggregation.draft_kv_staging import with_pack_staging
+        from sglang.srt.disaggregation.mooncake import draft_kv_packed_send
+    except ImportError:
+        return None
+    counts = {"sends": 0, "launches": 0, "with_pack_staging": with_pack_staging}
+    send_packed, pack_slices = draft_kv_packed_send.send_packed, draft_kv_chunk_packs.pack_slices
+
+    def counted_send(*args, **kwargs):
+        counts["sends"] += 1
+        return send_packed(*args, **kwargs)
+
+    def counted_pack(*args, **kwargs):
+        counts["launches"] += 1
+        return pack_slices(*args, **kwargs)
+
+    draft_kv_packed_send.send_packed = counted_send
+    draft_kv_chunk_packs.pack_slices = counted_pack
+    return counts
+
+
+def prefill_main(on_tree: bool = False) -> None:
+    """The prefill peer; ``on_tree``: sglang is a patched tree (``export-patches``, first on
+    ``PYTHONPATH``) run without the plugin, the draft geometry in ``KVArgs.draft_kv_source``."""
     for k, v in LOOPBACK_ENV.items():
         os.environ.setdefault(k, v)
+    if on_tree:
+        sys.meta_path.insert(0, _RefusePluginCode())
     import torch
 
-    from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import prefill_ranks_for
+    if on_tree:
+        from sglang.srt.disaggregation.draft_kv_plan import prefill_ranks_for
+        from sglang.srt.disaggregation.draft_kv_source import describe_draft_pool
+
+        packing = _count_tree_packs()  # None before PR 6
+    else:
+        from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import prefill_ranks_for
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
         MooncakeTransferEngine,
@@ -170,7 +229,7 @@ def prefill_main() -> None:
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import get_context
 
-    load_plugins()
+    load_plugins()  # on the tree, SGLANG_PLUGINS names no plugin
     get_context().override_server_args(speculative_algorithm="DFLASH").install()
     try:
         engine = MooncakeTransferEngine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
@@ -178,7 +237,7 @@ def prefill_main() -> None:
         write_message({"error": f"{INSTALL_HINT} ({e!r})"})
         return
     targets = [torch.from_numpy(global_target_kv(i).copy()) for i in range(harness.N_TARGET)]
-    write_message({"ready": True})
+    write_message({"ready": True, **(plugin_state() if on_tree else {})})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "exit":
@@ -187,10 +246,17 @@ def prefill_main() -> None:
         results = {}
         for p in case["prefill_ranks"]:
             pool = harness.make_draft_pool(case["prefill_tp"], p)
-            harness.record_source(pool, case["prefill_tp"], p)
+            if not on_tree:
+                harness.record_source(pool, case["prefill_tp"], p)
             kv_args = harness.prefill_kv_args(
                 pool, tp_rank=p, target_ptrs=[t.data_ptr() for t in targets]
             )
+            if on_tree:  # what the patched _init_kv_manager fills
+                kv_args.draft_kv_source = describe_draft_pool(pool, harness.H)
+                if packing is not None:  # PR 6: with the rank's pack staging
+                    kv_args.draft_kv_source = packing["with_pack_staging"](
+                        kv_args.draft_kv_source, harness.PAGE, case["prefill_tp"], p
+                    )
             m = harness.prefill_manager(
                 kv_args, tp_size=case["prefill_tp"], tp_rank=p, engine=engine
             )
@@ -219,6 +285,8 @@ def prefill_main() -> None:
                     results[f"{p}->{r}"] = {"rejected": reason}
                     continue
                 sent.clear()
+                if on_tree and packing is not None:
+                    packing["sends"], packing["launches"] = 0, 0
                 harness.run_worker(m, reg, SRC_PAGES, DST_PAGES)
                 item_lens = published["item_lens"][harness.N_TARGET :]
                 ranges = [
@@ -238,7 +306,18 @@ def prefill_main() -> None:
                         n for _, d, n in blocks if any(a <= d < z for a, z in ranges)
                     ),
                 }
+                if on_tree and packing is not None:
+                    staging = kv_args.draft_kv_source.staging
+                    results[f"{p}->{r}"].update(
+                        packed_sends=packing["sends"],
+                        pack_launches=packing["launches"],
+                        # by the patched register_buffer_to_engine, with the engine it registered
+                        staging_registered=staging is not None
+                        and staging.registered_engine is engine,
+                    )
                 m.failures = []
+        if on_tree:
+            results["_plugin_state"] = plugin_state()
         write_message(results)
 
 
@@ -248,8 +327,8 @@ def prefill_main() -> None:
 class Peer(PeerProcess):
     """One side of the loopback: this file run with ``--decode`` or ``--prefill``."""
 
-    def __init__(self, role: str, log_dir: str, timeout: float):
-        env = dict(os.environ, **LOOPBACK_ENV)
+    def __init__(self, role: str, log_dir: str, timeout: float, env=None):
+        env = dict(os.environ if env is None else env, **LOOPBACK_ENV)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))
         argv = [sys.executable, os.path.abspath(__file__), f"--{role}"]
         super().__init__(role, argv, env, os.path.join(log_dir, f"{role}.log"))
@@ -339,4 +418,6 @@ def test_equal_tp_keeps_the_stock_path(peers):
 
 
 if __name__ == "__main__":
-    {"--decode": decode_main, "--prefill": prefill_main}[sys.argv[1]]()
+    roles = {"--decode": decode_main, "--prefill": prefill_main}
+    roles["--prefill-tree"] = lambda: prefill_main(on_tree=True)
+    roles[sys.argv[1]]()

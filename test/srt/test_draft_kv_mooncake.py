@@ -736,7 +736,7 @@ def test_pp_prefill_refuses_a_decode_without_layer_ids(pools):
 
 
 def test_verdict_is_cached_and_replaced_on_reregistration(pools, monkeypatch):
-    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
+    from sglang_dflash_pp.srt.disaggregation import draft_kv_registration
 
     m, _ = setup_prefill(pools, 4, 1)
     bad = decode_registration("d:re", tp_size=32, tp_rank=12, item_lens=[])
@@ -749,7 +749,7 @@ def test_verdict_is_cached_and_replaced_on_reregistration(pools, monkeypatch):
     def no_recheck(*a, **k):
         raise AssertionError("the send path re-validated the peer")
 
-    monkeypatch.setattr(mooncake_draft_kv, "peer_verdict", no_recheck)
+    monkeypatch.setattr(draft_kv_registration, "peer_verdict", no_recheck)
     for _ in range(2):
         assert send_kvcache(m, good) == 0
 

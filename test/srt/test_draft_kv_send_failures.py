@@ -109,9 +109,9 @@ def test_a_verdict_that_could_not_be_decided_is_not_cached_as_a_refusal(pools, m
     """A failure of our own check at registration (here an injected bug) must not refuse the
     decode until it restarts: the registration is accepted with the verdict pending, decided at
     the next send (then exact bytes); a check that fails again fails only that request."""
-    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
+    from sglang_dflash_pp.srt.disaggregation import draft_kv_registration
 
-    real = mooncake_draft_kv.peer_verdict
+    real = draft_kv_registration.peer_verdict
     broken = {"on": True}
 
     def flaky(*args, **kwargs):
@@ -119,7 +119,7 @@ def test_a_verdict_that_could_not_be_decided_is_not_cached_as_a_refusal(pools, m
             raise RuntimeError("a bug in the verdict (injected)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(mooncake_draft_kv, "peer_verdict", flaky)
+    monkeypatch.setattr(draft_kv_registration, "peer_verdict", flaky)
     m, regs = registered(pools)  # accepted, the verdicts pending
     assert m.state_layout_rejections == {}
 

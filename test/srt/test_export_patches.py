@@ -23,6 +23,7 @@ The edit primitives are checked on small snippets of our own.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -173,6 +174,220 @@ except Exception as e:  # past the spot, into what the shell does not carry
 """
 
 
+DFLASH_PP_CHECKS = r"""
+import inspect, json
+from types import SimpleNamespace as NS
+import torch
+
+out = {}
+# PR 8: the last-rank condition on every device
+from sglang.srt.disaggregation import prefill
+out["8"] = "_is_npu" not in inspect.getsource(prefill.PrefillBootstrapQueue._init_kv_manager)
+
+# PR 9: plain-MHA layer ids only on a DFLASH PP prefill; a decode's ids filled at registration
+from sglang.srt.disaggregation import mha_layer_ids, utils
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+pool = object.__new__(MHATokenToKVPool)
+pool.model_layer_ids = [2, 3]
+kw = dict(token_to_kv_pool=pool, draft_token_to_kv_pool=object(), num_draft_entries=2,
+          num_hidden_layers=4)
+mha_layer_ids.serving_dflash_pp_prefill = lambda: False
+out["9_other"] = [utils.build_kv_layer_ids(**kw), mha_layer_ids.published_num_layers()]
+mha_layer_ids.serving_dflash_pp_prefill = lambda: True
+ids = utils.build_kv_layer_ids(**kw)
+reg = NS(dst_kv_layer_ids=[], dst_kv_item_lens=[8] * 10, dst_kv_ptrs=[0] * 10)
+bad = NS(dst_kv_layer_ids=[], dst_kv_item_lens=[8] * 9, dst_kv_ptrs=[0] * 9)
+out["9_pp"] = [ids, mha_layer_ids.fill_decode_layer_ids(NS(kv_layer_ids=ids), reg),
+               reg.dst_kv_layer_ids, mha_layer_ids.fill_decode_layer_ids(NS(kv_layer_ids=ids), bad)]
+
+# PR 10: project_target_hidden finishes a stashed partial; without one it is the stock method
+from sglang.srt.models.dflash import DFlashDraftModel
+from sglang.srt.models.dflash_last_stage_context import LastStageContext, stashed_context
+shell = NS(hidden_norm=NS(forward_native=lambda t: t * 10))
+with stashed_context(shell, LastStageContext(torch.eye(2), torch.ones(3, 2))):
+    out["10_stashed"] = DFlashDraftModel.project_target_hidden(shell, torch.ones(3, 2)).tolist()
+try:
+    DFlashDraftModel.project_target_hidden(shell, torch.ones(3, 2))
+except AttributeError as e:  # the stock body, reading what the shell does not carry
+    out["10_stock"] = str(e)
+
+# PR 11: a non-last stage arms its capture only on a DFLASH PP prefill
+import importlib
+out["11"] = {}
+for mod, cls in (("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
+                 ("qwen3_moe", "Qwen3MoeForCausalLM"), ("gpt_oss", "GptOssForCausalLM")):
+    m = importlib.import_module("sglang.srt.models." + mod)
+    armed = []
+    m.arm_stage_capture = lambda *a, **k: armed.append([a[2], k.get("takes_accumulator", False)])
+    shell = NS(pp_group=NS(is_last_rank=False), model=NS(layers_to_capture=None))
+    m.serving_dflash_pp_prefill = lambda: False
+    getattr(m, cls).set_dflash_layers_to_capture(shell, [0, 2])
+    other = list(armed)
+    m.serving_dflash_pp_prefill = lambda: True
+    getattr(m, cls).set_dflash_layers_to_capture(shell, [0, 2])
+    out["11"][cls] = [other, armed, shell.model.layers_to_capture]
+
+# PR 12: the PP-aware worker for DFLASH PP on a PD prefill only; the last stage's draft build
+# takes the stage's seed and load group
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+out["12_worker"] = [
+    SpeculativeAlgorithm.DFLASH.create_worker(
+        NS(pp_size=pp, disaggregation_mode=mode, device="cuda")).__name__
+    for pp, mode in ((2, "prefill"), (1, "prefill"), (2, "null"))
+]
+import contextlib
+from sglang.srt.layers.moe import utils as moe_utils
+from sglang.srt.speculative import draft_worker_common as dwc
+from sglang.srt.speculative.dflash_last_stage_draft_build import last_stage_draft_build
+moe_utils.draft_model_build_scope = contextlib.nullcontext
+dwc.resolve_draft_worker_attention_backend = lambda **k: "torch_native"
+built = []
+class _Built(Exception):
+    pass
+class _Worker:
+    def __init__(self, **kw):
+        built.append([kw["random_seed"], kw["load_group"] == "stage group"])
+        raise _Built
+for ctx in (contextlib.nullcontext(), last_stage_draft_build("stage group", 7, (1,))):
+    with ctx:
+        try:
+            dwc.build_draft_tp_worker(server_args=None, gpu_id=0, nccl_port=0,
+                                      target_model_config=NS(context_len=8),
+                                      algo_label="DFLASH", draft_worker_cls=_Worker)
+        except _Built:
+            pass
+out["12_build"] = built
+
+# PR 13: the PP relay rebuilds DFlashDraftInputV2 for DFLASH, on every rank
+from sglang.srt.managers.scheduler_pp_mixin import SchedulerPPMixin
+from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
+out["13"] = {}
+for name in ("DFLASH", "EAGLE"):
+    empty = torch.empty(3, 0)
+    result = NS(next_token_ids=torch.tensor([5, 6, 7]), accept_lens=None, logits_output=None,
+                next_draft_input=NS(topk_p=empty, topk_index=empty.long(), hidden_states=empty,
+                                    dsa_topk_indices=None))
+    batch = NS(spec_algorithm=SpeculativeAlgorithm[name], return_logprob=False, input_ids=None,
+               seq_lens=torch.tensor([9, 4, 12]), req_pool_indices=torch.arange(3))
+    sched = NS(_pp_spec_relay=False, pp_group=NS(is_first_rank=False),
+               future_map=NS(stash=lambda idx, payload: None),
+               tp_worker=NS(model_runner=NS(sampling_observer=None)))
+    tensors = SchedulerPPMixin._pp_prepare_tensor_dict(sched, result, batch)
+    res = SchedulerPPMixin._pp_prep_batch_result(
+        sched, batch, NS(can_run_cuda_graph=False, fpm_timing=None, fwd_batch=None),
+        PPProxyTensors(tensors))
+    out["13"][name] = ["draft_topk_p" in tensors, type(res.next_draft_input).__name__,
+                       res.next_draft_input is batch.spec_info]
+
+# PR 15: only the last stage's draft build is KV-write-only; a marked draft refuses to project
+# without the PP context; the dummy initialiser is unchanged for any other model
+from sglang.srt.model_loader.weight_utils import initialize_dummy_weights
+from sglang.srt.models import dflash_kv_write_only as kvw
+linear = torch.nn.Linear(2, 2)
+initialize_dummy_weights(linear)
+with last_stage_draft_build("stage group", 7, (1, 2)):
+    inside = kvw.building_kv_write_only()
+marked = NS(hidden_norm=None)
+marked.__dict__[kvw.KV_WRITE_ONLY_ATTR] = kvw.KVWriteOnlyDraft((1, 2), 3, 2)
+try:
+    DFlashDraftModel.project_target_hidden(marked, torch.ones(3, 2))
+    refused = None
+except RuntimeError as e:
+    refused = str(e)
+out["15"] = [kvw.building_kv_write_only(), inside, refused,
+             bool(torch.all(linear.weight.abs() <= 1e-3))]
+print("PP_CHECK " + json.dumps(out))
+"""
+
+
+def _gate_cases(dirs):
+    """DFLASH with PP2 on a dense Llama target: the served case and two refused ones."""
+    base = dict(
+        model_path=dirs["target"], speculative_algorithm="DFLASH",
+        speculative_draft_model_path=dirs["draft_dense"], pp_size=2,
+        disaggregation_mode="prefill", disaggregation_transfer_backend="mooncake",
+        device="cuda", random_seed=0,
+    )
+    return {
+        "served": base,
+        "nixl": {**base, "disaggregation_transfer_backend": "nixl"},
+        "decode": {**base, "disaggregation_mode": "decode"},
+    }
+
+
+def _resolve_on_tree(tree_dir, cases, tmp_path):
+    """``ServerArgs`` resolved as ``launch_server`` does, on the tree, without the plugin."""
+    path = os.path.join(tmp_path, "gate_cases.json")
+    with open(path, "w") as f:
+        json.dump(cases, f)
+    script = os.path.join(REPO, "test", "srt", "resolution.py")
+    r = subprocess.run([sys.executable, script, path], env=verify.tree_env(tree_dir),
+                       capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_dflash_pp_prs_apply_in_memory_and_are_inert_without_the_plugin(tmp_path, model_dirs):
+    """PRs 8 onwards wait in the export for the Mooncake group (PRs 5 to 7): every finished PR of
+    the stack, in order, applied in memory to a copy of the installed wheel and written, then
+    checked in a subprocess with the tree first and no plugin: each touched module imports, and
+    each PR acts only on a DFLASH PP prefill."""
+    from sglang_dflash_pp.tools.export_patches import stack_pp
+
+    tree_dir = os.path.join(tmp_path, "tree", "sglang")
+    shutil.copytree(INSTALLED, tree_dir, symlinks=True)
+    tree, moved, modules = generator.Tree(tree_dir), {}, []
+    rows = read_stack(default_stack_doc())
+    ours = [p.number for p in stack_pp.PRS]
+    assert ours == ["8", "9", "10", "11", "12", "13", "14", "15"]
+    before_gate = None
+    for number, row in rows.items():
+        pr = stack.REGISTRY[number]
+        if not pr.finished:
+            continue
+        if number == "14":  # PRs 8 to 13 applied: DFLASH with PP is still refused as stock
+            before_gate = _resolve_on_tree(tree_dir, _gate_cases(model_dirs), tmp_path)
+        changes, _ = generator.plan_pr(pr, row.title, tree, moved)
+        tree.write(changes)
+        moved.update({m.source: m.module for m in pr.new_modules})
+        modules += [m for m in pr.touched_modules() if m not in modules]
+        if number == ours[-1]:
+            break
+    code = verify._PRELUDE + "\nimport importlib\nfor _m in %r:\n    importlib.import_module(_m)\n" % (
+        modules,
+    ) + DFLASH_PP_CHECKS + "\nprint('PLUGIN_STATE ' + json.dumps(_plugin_state()))\n"
+    r = verify._run(code, [], verify.tree_env(tree_dir), timeout=300)
+    out, state = verify._tagged(r.stdout, "PP_CHECK"), verify._tagged(r.stdout, "PLUGIN_STATE")
+    assert out is not None and state is not None, r.stderr[-3000:]
+    assert os.path.realpath(state["sglang_file"]).startswith(os.path.realpath(tree_dir))
+    assert state["hooks"] == [] and state["plugin_modules"] == []
+    assert out["8"]
+    assert out["9_other"] == [[], None]
+    ids, filled, decode_ids, refused = out["9_pp"]
+    assert ids == [2, 3, 2, 3, 4, 4] and filled is None
+    assert decode_ids == [0, 1, 2, 3, 0, 1, 2, 3, 4, 4]
+    assert "layer id" in refused and "9 KV entries" in refused
+    assert out["10_stashed"] == [[20.0, 20.0]] * 3 and out["10_stock"]
+    for cls, (other, armed, layers) in out["11"].items():
+        keyword = "captured_last_layer_outputs" if "Moe" in cls else "capture_output"
+        assert other == [] and armed == [[keyword, "Moe" in cls]] and layers is None, cls
+    assert out["12_worker"] == ["PPDFlashWorkerV2", "DFlashWorkerV2", "DFlashWorkerV2"]
+    assert out["12_build"] == [[None, False], [7, True]]
+    assert out["13"] == {"DFLASH": [False, "DFlashDraftInputV2", True],
+                         "EAGLE": [True, "EagleDraftInput", True]}
+    none, inside, refused, dummy = out["15"]
+    assert none is None and inside == [1, 2] and "KV-write-only" in refused and dummy
+    # PR 14: the gate accepts DFLASH PP2 on a Mooncake PD prefill, and refuses naming the fix
+    stock = "only supports pp_size == 1"
+    assert before_gate is not None
+    assert all(stock in o.get("error", "") for o in before_gate.values()), before_gate
+    after = _resolve_on_tree(tree_dir, _gate_cases(model_dirs), tmp_path)
+    assert "resolved" in after["served"], after["served"]
+    assert after["served"]["resolved"]["pp_size"] == 2
+    assert "--disaggregation-transfer-backend mooncake" in after["nixl"]["error"]
+    assert "only supported on the PD prefill server" in after["decode"]["error"]
+
+
 def _spot_5(package_dir, cwd):
     if package_dir is None:  # the installed, stock sglang
         env = dict(os.environ, SGLANG_PLUGINS=verify.NO_PLUGIN)
@@ -290,10 +505,14 @@ def test_the_registry_covers_the_stack_and_finished_prs_are_a_prefix():
     rows = list(read_stack(default_stack_doc()))
     assert set(rows) == set(stack.REGISTRY)
     finished = [p for p in rows if stack.REGISTRY[p].finished]
-    # a finished PR after an unfinished one would never be exported
-    assert finished == rows[: len(finished)]
-    for p in rows[len(finished):]:
-        assert stack.REGISTRY[p].unfinished and not stack.REGISTRY[p].edits
+    # The export stops before the first unfinished PR, so a PR finished after it waits for it
+    # (the DFLASH x PP group is written while the Mooncake group is); those are applied in
+    # memory by test_dflash_pp_prs_apply_in_memory_and_are_inert_without_the_plugin.
+    prefix = finished_prefix()
+    assert finished[: len(prefix)] == prefix
+    for p in rows:
+        if not stack.REGISTRY[p].finished:
+            assert stack.REGISTRY[p].unfinished and not stack.REGISTRY[p].edits
     for p in finished:
         pr = stack.REGISTRY[p]
         assert pr.edits or pr.new_modules
@@ -312,6 +531,8 @@ def _upstream_lines():
     files = {e.file for p in stack.REGISTRY.values() for e in p.edits}
     lines = set()
     for rel in files:
+        if not os.path.isfile(os.path.join(INSTALLED, rel)):
+            continue  # a file an earlier PR of the series created (PR 5's draft_kv_send): ours
         with open(os.path.join(INSTALLED, rel)) as f:
             lines |= {_normal(l) for l in f if len(_normal(l)) >= 30}
     return files, lines
@@ -413,6 +634,28 @@ def test_add_keyword_argument_follows_the_call_layout():
         apply(ce.AddKeywordArgument("f.py", "Box.fill", call="make", keyword="first", value="0"))
 
 
+def test_replace_keyword_argument_keeps_the_layout_and_checks_the_old_value():
+    out = apply(ce.ReplaceKeywordArgument("f.py", "Box.fill", call="make", keyword="second",
+                                          old="2", value="total"))  # fmt: skip
+    assert "            first=1,\n            second=total,\n        )" in out
+    with pytest.raises(AnchorError, match="passes `second=2`, not `3`"):
+        apply(ce.ReplaceKeywordArgument("f.py", "Box.fill", call="make", keyword="second",
+                                        old="3", value="total"))  # fmt: skip
+    with pytest.raises(AnchorError, match="argument `third=` not found"):
+        apply(ce.ReplaceKeywordArgument("f.py", "Box.fill", call="make", keyword="third",
+                                        old="3", value="total"))  # fmt: skip
+
+
+def test_add_parameter_follows_the_signature_layout():
+    out = apply(ce.AddParameter("f.py", "Box.fill", name="packs"))
+    assert "    def fill(self, items, packs=None):\n" in out
+    wide = "def send(\n    a,\n    b: int = 0,\n):\n    pass\n"
+    out = apply(ce.AddParameter("f.py", "send", name="packs", annotation="Optional[P]"), wide)
+    assert out == "def send(\n    a,\n    b: int = 0,\n    packs: Optional[P] = None,\n):\n    pass\n"
+    with pytest.raises(AnchorError, match="already has a parameter `items`"):
+        apply(ce.AddParameter("f.py", "Box.fill", name="items"))
+
+
 def test_insert_statements_widen_guard_and_replace_body():
     out = apply(ce.InsertStatements("f.py", "Box.fill", after=ce.Stmt("total = count(items)"),
                                     code="# ours\ntotal += 1\n"))
@@ -472,3 +715,301 @@ def test_new_module_moves_our_code_without_the_glue():
 def test_cli_lists_export_patches():
     parser = cli.build_parser()
     assert "export-patches" in parser.format_help()
+
+
+# -- the Mooncake group (PRs 4 to 7) on the patched tree, without the plugin ------------------
+
+HEADS_BUG = os.path.join(REPO, "docs", "upstream", "bugs", "mooncake-draft-kv-heads-per-rank")
+
+# The bug report's Kimi-K3 numbers (its repro's helpers: 8 draft KV heads, head_dim 128, bf16,
+# page 64, 16 MLA target layers, prefill TP4 rank 1) on the patched tree's real manager and
+# _publish_peer_registration; KVArgs.draft_kv_source is what the patched _init_kv_manager fills,
+# which runs first on a queue shell (FAKE backend) for a DFLASH and an EAGLE scheduler.
+DRAFT_KV_REGISTRATION = r"""
+import runpy, types
+import torch
+repro = runpy.run_path(sys.argv[1], run_name="kimi_k3_shape")
+from sglang.srt.disaggregation.draft_kv_source import describe_draft_pool
+from sglang.srt.runtime_context import get_context, get_parallel
+
+get_context().override_server_args(speculative_algorithm="DFLASH").install()
+H, PAGE = repro["H"], repro["PAGE"]
+
+def init_kv_manager(algorithm):
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+    from sglang.srt.disaggregation.utils import TransferBackend
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    def pool(heads, layers):
+        return MHATokenToKVPool(size=256, page_size=PAGE, dtype=torch.bfloat16, head_num=heads,
+                                head_dim=32, layer_num=layers, device="cpu",
+                                enable_memory_saver=False)
+    q = object.__new__(PrefillBootstrapQueue)
+    q.token_to_kv_pool, q.draft_token_to_kv_pool = pool(2, 4), pool(2, 2)
+    q.pp_rank, q.pp_size, q.tp_rank, q.is_mla_backend = 0, 1, 0, False
+    q.transfer_backend = TransferBackend.FAKE
+    q.metadata_buffers = types.SimpleNamespace(get_buf_infos=lambda: ([], [], []))
+    ns = types.SimpleNamespace
+    runner = ns(token_to_kv_pool=q.draft_token_to_kv_pool,
+                model_config=ns(get_total_num_kv_heads=lambda: 8))
+    q.scheduler = ns(
+        rust_server=None, server_args=None,
+        spec_algorithm=SpeculativeAlgorithm.from_string(algorithm),
+        draft_worker=ns(weight_update_runners=lambda: [("draft", runner)]),
+        tp_worker=ns(model_runner=ns(kv_cache_dtype_str="auto")),
+        model_config=ns(num_hidden_layers=4, hf_text_config=ns(),
+                        get_total_num_kv_heads=lambda: 2))
+    with get_parallel().override(dp_rank=None):
+        source = PrefillBootstrapQueue._init_kv_manager(q).kv_args.draft_kv_source
+    return None if source is None else [source.shape.total_heads, source.shape.k_head_dim]
+
+out = {"init_dflash": init_kv_manager("DFLASH"), "init_eagle": init_kv_manager("EAGLE")}
+pool = repro["prefill_draft_pool"]()
+targets = [torch.zeros(repro["POOL_PAGES"] * repro["MLA_ITEM"], dtype=torch.uint8)
+           for _ in range(repro["NUM_TARGET_LAYERS"])]
+m = repro["prefill_manager"](pool, targets)
+m.kv_args.draft_kv_source = describe_draft_pool(pool, H)
+
+def register(tp, rank):
+    reg = repro["decode_registration"]()
+    reg.mooncake_session_id, reg.dst_tp_rank, reg.dst_attn_tp_size = f"d{tp}:{rank}", rank, tp
+    heads = max(1, H // tp)  # the oracle: QKVParallelLinear's heads per rank
+    reg.dst_kv_item_lens = ([repro["MLA_ITEM"]] * repro["NUM_TARGET_LAYERS"]
+                            + [PAGE * heads * 128 * 2] * repro["N_DRAFT"])
+    refused = m._publish_peer_registration(reg.mooncake_session_id, reg)
+    plan = getattr(reg, "dflash_draft_kv_plan", None)
+    return {"refused": refused, "cached": m.state_layout_rejections.get(reg.mooncake_session_id),
+            "plan": None if plan is None else plan.action.name}
+
+out["tp32"], out["tp4"], out["tp8"] = register(32, 12), register(4, 1), register(8, 3)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _at_pr(exported, pr):
+    """The exported tree checked out at ``pr``'s commit while the block runs (the scratch
+    repository in tmp; restored after), as ``verify_prefixes`` does."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def checkout():
+        commit = next(r.commit for r in exported.report.prs if r.pr == pr)
+        head = git(exported.tree, "rev-parse", "HEAD").strip()
+        git(exported.tree, "checkout", "-q", commit)
+        try:
+            yield exported.tree
+        finally:
+            git(exported.tree, "checkout", "-q", head)
+
+    return checkout()
+
+
+def _no_plugin(out):
+    assert out["from_tree"] and out["hooks"] == [] and out["plugin_modules"] == []
+    return out["result"]
+
+
+def test_pr_4_refuses_a_kimi_k3_draft_tp4_to_tp32_and_accepts_equal_heads(exported):
+    assert "4" in [r.pr for r in exported.report.prs], exported.report.stop.message
+    with _at_pr(exported, "4") as tree:
+        res = _no_plugin(verify.run_on_tree(
+            DRAFT_KV_REGISTRATION, tree, [os.path.join(HEADS_BUG, "repro.py")]
+        ))
+    assert res["init_dflash"] == [8, 32] and res["init_eagle"] is None
+    # TP4 -> TP32: 2 draft heads per prefill rank, 1 per decode rank: stock corrupts, PR 4 refuses
+    for tp in ("tp32", "tp8"):
+        refused = res[tp]["refused"]
+        assert refused and res[tp]["cached"] == refused and res[tp]["plan"] is None
+        assert "attention TP (4, --tp-size)" in refused, refused
+    assert "holds 2 draft KV heads per rank and the decode 1" in res["tp32"]["refused"]
+    assert res["tp4"] == {"refused": None, "cached": None, "plan": "STOCK"}
+
+
+def test_the_head_aware_bytes_through_mooncake_on_the_patched_tree(exported, tmp_path):
+    """PR 5 onwards: test_draft_kv_loopback's transfer (the real Mooncake engine over TCP on
+    127.0.0.1, two processes) with a prefill peer that imports sglang from the patched tree and
+    refuses the plugin's code; the decode peer checks every byte of every decode rank's
+    buffers, guards included, against the heads sglang's QKVParallelLinear gives that rank.
+    PR 6: the TP4 -> TP32 ranks are sent from the prefill's pack staging (the staging builder
+    of the patched _init_kv_manager, registered by the patched register_buffer_to_engine)."""
+    assert {"5", "6"} <= {r.pr for r in exported.report.prs}, exported.report.stop.message
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import test_draft_kv_loopback as loopback
+
+    env = verify.tree_env(exported.tree)
+    env["PYTHONPATH"] = os.pathsep.join([loopback.HERE, env["PYTHONPATH"]])
+    # PR 6's staging, sized by the switch rather than a 16k-token chunk: 4 slots of 4 MiB
+    env["SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB"] = "16"
+    decode = prefill = None
+    try:
+        decode = loopback.Peer("decode", str(tmp_path), timeout=120)
+        prefill = loopback.Peer("prefill-tree", str(tmp_path), timeout=300, env=env)
+        session = decode.read()["session"]
+        ready = prefill.read()
+        assert os.path.realpath(ready["sglang_file"]).startswith(os.path.realpath(exported.tree))
+        assert ready["hooks"] == [] and ready["plugin_modules"] == []
+        peers = (decode, prefill, session)
+        big = loopback.run_case(peers, "tp4_to_tp32")  # 2 heads per prefill rank, 1 per decode
+        small = loopback.run_case(peers, "tp2_to_tp1")  # two prefill ranks fill each decode row
+        equal = loopback.run_case(peers, "tp4_to_tp4")
+    finally:
+        for peer in (prefill, decode):
+            if peer is not None:
+                peer.close()
+    for res in (big, small, equal):
+        state = res.pop("_plugin_state")
+        assert state["hooks"] == [] and state["plugin_modules"] == []
+        assert all(r["failures"] == [] for r in res.values()), res
+    assert {r["action"] for r in big.values()} == {"head aware"} and len(big) == 8
+    assert (small["0->0"]["action"], small["1->0"]["action"]) == ("head aware", "draft only")
+    assert {r["action"] for r in equal.values()} == {"stock"}
+    draft_bytes = 12 * len(loopback.DST_PAGES) * 64 * 128 * 2  # 12 entries, 1 head per row
+    assert all(r["draft_bytes"] == draft_bytes for r in big.values())
+    # PR 6: each TP32 rank's chunk packed (both head slices of prefill rank 1 in one launch)
+    # and sent from the slab, one descriptor per destination page run: 4 target entries x 3
+    # runs, then 12 draft entries x 3 runs (PR 5 alone: 12 x 5 pages x 64 token rows)
+    for r in big.values():
+        assert (r["packed_sends"], r["pack_launches"]) == (1, 1), big
+        assert r["staging_registered"], big
+        assert r["descriptors"] == 4 * 3 + 12 * 3, big
+    # the other layouts are not packed: TP2 -> TP1 per token row, TP4 -> TP4 stock
+    assert all(r["packed_sends"] == 0 == r["pack_launches"] for r in (*small.values(),
+                                                                      *equal.values())), small
+    assert small["1->0"]["descriptors"] == 12 * len(loopback.SRC_PAGES) * 64
+
+
+# A plain-MHA target at another attention TP goes through send_kvcache_slice: prefill TP2 rank 0
+# (target 2 of 4 KV heads, draft 4 of 8) -> decode TP4 rank 1 (target head 1, draft heads 2-3),
+# real CPU pools, the real manager's _publish_peer_registration and send_kvcache_slice; the
+# transfer engine is an in-process copy, so the decode images hold exactly what was written.
+SLICE_SEND = r"""
+import concurrent.futures, ctypes, threading
+from collections import defaultdict
+import numpy as np, torch
+from sglang.srt.disaggregation.base.conn import KVArgs
+from sglang.srt.disaggregation.draft_kv_source import describe_draft_pool
+from sglang.srt.disaggregation.mooncake.conn import KVArgsRegisterInfo, MooncakeKVManager
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.runtime_context import get_context
+
+get_context().override_server_args(speculative_algorithm="DFLASH").install()
+PAGE, PAGES = 16, 8
+ROWS = PAGES * PAGE + PAGE  # sglang's token slots
+TARGET, DRAFT = (4, 32, 2), (8, 64, 3)  # total KV heads, head dim, layers
+P_TP, P_RANK, D_TP, D_RANK = 2, 0, 4, 1
+SRC, DST = [1, 2, 5], [3, 4, 0]
+
+def heads(total, tp, rank):  # the oracle: tp divides total, one contiguous block per rank
+    n = total // tp
+    return range(rank * n, (rank + 1) * n)
+
+def global_kv(seed, total, dim):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(ROWS, total, dim, generator=g).to(torch.bfloat16)
+
+def pool(spec, seed):
+    total, dim, layers = spec
+    h = heads(total, P_TP, P_RANK)
+    p = MHATokenToKVPool(size=PAGES * PAGE, page_size=PAGE, dtype=torch.bfloat16,
+                         head_num=len(h), head_dim=dim, layer_num=layers, device="cpu",
+                         enable_memory_saver=False)
+    for q, buf in enumerate(list(p.k_buffer) + list(p.v_buffer)):
+        buf.copy_(global_kv(seed + q, total, dim)[:, h.start : h.stop])
+    return p
+
+target, draft = pool(TARGET, 100), pool(DRAFT, 200)
+(t_ptrs, t_lens, t_items), (d_ptrs, d_lens, d_items) = (
+    target.get_contiguous_buf_infos(), draft.get_contiguous_buf_infos())
+kv_args = KVArgs()
+kv_args.engine_rank, kv_args.page_size, kv_args.pp_rank = P_RANK, PAGE, 0
+kv_args.kv_data_ptrs = list(t_ptrs) + list(d_ptrs)
+kv_args.kv_data_lens = list(t_lens) + list(d_lens)
+kv_args.kv_item_lens, kv_args.kv_layer_ids = list(t_items) + list(d_items), []  # PP1: no ids
+kv_args.num_draft_entries = len(d_ptrs)
+kv_args.kv_head_num, kv_args.total_kv_head_num = TARGET[0] // P_TP, TARGET[0]
+kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = [], [], []
+kv_args.state_types, kv_args.state_data_ptrs, kv_args.state_data_lens = [], [], []
+kv_args.state_item_lens, kv_args.state_layer_ids = [], []
+kv_args.mla_compression_ratios, kv_args.prefill_start_layer = None, 0
+kv_args.draft_kv_source = describe_draft_pool(draft, DRAFT[0])  # what _init_kv_manager fills
+
+images, stray = [], []
+class CopyEngine:  # the transfer: an in-process copy into the decode images, nothing outside
+    def batch_transfer_sync(self, session, srcs, dsts, lens):
+        for s, d, n in zip(srcs, dsts, lens):
+            if any(a <= d and d + n <= a + img.nbytes for a, img in images):
+                ctypes.memmove(d, s, n)
+            else:
+                stray.append((d, n))
+        return 0
+
+m = object.__new__(MooncakeKVManager)
+m.kv_args, m.disaggregation_mode = kv_args, DisaggregationMode.PREFILL
+m.is_mla_backend = m.is_hybrid_mla_backend = False
+m.attn_tp_size, m.attn_tp_rank, m.state_tp_size = P_TP, P_RANK, P_TP
+m.attn_cp_size, m.attn_cp_rank, m.pp_size, m.pp_rank = 1, 0, 1, 0
+m.engine = CopyEngine()
+m.decode_kv_args_table, m.transfer_infos, m.request_status = {}, {}, {}
+m.session_lock = threading.Lock()
+m.state_layout_rejections, m.state_strides_validated = {}, set()
+m.failed_sessions, m.session_failures, m.failed_session_probes = set(), defaultdict(int), {}
+m.max_transfer_batch_indices, m.enable_custom_mem_pool, m.custom_mem_pool_type = 0, False, None
+m.enable_trace = m.enable_staging = m.enable_deferred_decode_kv_release = False
+m.transfer_queues, m._dcp_pack_buffers, m.bootstrap_port = [None], None, 0
+
+specs = [TARGET] * (2 * TARGET[2]) + [DRAFT] * (2 * DRAFT[2])
+row_bytes = [len(heads(t, D_TP, D_RANK)) * dim * 2 for t, dim, _ in specs]
+for rb in row_bytes:
+    img = np.zeros(ROWS * rb, np.uint8)
+    images.append((img.ctypes.data, img))
+reg = KVArgsRegisterInfo(
+    room="None", endpoint="127.0.0.1", dst_port=1, mooncake_session_id="d4:1",
+    dst_kv_ptrs=[a for a, _ in images], dst_aux_ptrs=[], dst_state_data_ptrs=[],
+    dst_tp_rank=D_RANK, dst_attn_tp_size=D_TP, dst_kv_item_len=PAGE * row_bytes[0],
+    dst_state_item_lens=[], dst_state_dim_per_tensor=[], dst_kv_layer_ids=[],
+    dst_state_layer_ids=[], dst_kv_item_lens=[PAGE * rb for rb in row_bytes])
+out = {"refused": m._publish_peer_registration(reg.mooncake_session_id, reg)}
+plan = getattr(reg, "dflash_draft_kv_plan", None)
+out["plan"] = None if plan is None else plan.action.name
+with concurrent.futures.ThreadPoolExecutor(2) as ex:
+    out["ret"] = m.send_kvcache_slice(
+        reg.mooncake_session_id, np.asarray(SRC, np.int32), reg.dst_kv_ptrs,
+        np.asarray(DST, np.int32), D_RANK, D_TP, reg.dst_kv_item_len, ex, reg.dst_kv_layer_ids)
+wrong = []
+for q, ((total, dim, layers), (_, img), rb) in enumerate(zip(specs, images, row_bytes)):
+    seed = 100 + q if q < 2 * TARGET[2] else 200 + q - 2 * TARGET[2]
+    h = heads(total, D_TP, D_RANK)
+    want = np.zeros_like(img).reshape(ROWS, rb)
+    full = global_kv(seed, total, dim)[:, h.start : h.stop].contiguous()
+    full = full.view(torch.uint8).reshape(ROWS, rb).numpy()
+    for s, d in zip(SRC, DST):
+        want[d * PAGE : (d + 1) * PAGE] = full[s * PAGE : (s + 1) * PAGE]
+    if not np.array_equal(img.reshape(ROWS, rb), want):
+        wrong.append(q)
+out["wrong_entries"], out["stray_writes"] = wrong, len(stray)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_pr_7_slices_the_draft_by_its_own_plan_for_a_plain_mha_target(exported):
+    """PR 7 on the patched tree, without the plugin. While PR 6 is unfinished the series stops
+    before it, so PR 7's edits are applied to the tree's working copy here (restored after)."""
+    from sglang_dflash_pp.tools.export_patches import generator as gen
+    from sglang_dflash_pp.tools.export_patches import stack_mooncake
+
+    done = [r.pr for r in exported.report.prs]
+    assert "5" in done, exported.report.stop.message
+    applied = "7" not in done
+    if applied:
+        tree = gen.Tree(exported.tree)
+        changes, _ = gen.plan_pr(stack_mooncake.PR_7, "PR 7", tree, {})
+        tree.write(changes)
+    try:
+        res = _no_plugin(verify.run_on_tree(SLICE_SEND, exported.tree))
+    finally:
+        if applied:
+            git(exported.tree, "checkout", "-q", "--", ".")
+    assert res == {"refused": None, "plan": "HEAD_AWARE", "ret": 0, "wrong_entries": [],
+                   "stray_writes": 0}, res

@@ -149,7 +149,7 @@ def test_head_sliced_path_sends_the_draft_by_our_plan(sglang_with_plugin):
 
 
 def test_target_path_follows_sglangs_dispatch_and_refuses_staging(sglang_with_plugin):
-    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv as m
+    from sglang_dflash_pp.srt.disaggregation import draft_kv_registration as m
 
     def manager(mla=False, staging=False, tp=1):
         return SimpleNamespace(is_mla_backend=mla, is_hybrid_mla_backend=False,
@@ -159,12 +159,12 @@ def test_target_path_follows_sglangs_dispatch_and_refuses_staging(sglang_with_pl
         return SimpleNamespace(dst_attn_tp_size=tp, staging_base_ptr=staging_ptr,
                                staging_total_size=0)  # fmt: skip
 
-    assert m._target_path(manager(), peer(1)) is TargetPath.WHOLE_PAGES
-    assert m._target_path(manager(mla=True), peer(2)) is TargetPath.WHOLE_PAGES
-    assert m._target_path(manager(), peer(2)) is TargetPath.HEAD_SLICED
-    assert m._target_path(manager(staging=True), peer(2)) is TargetPath.HEAD_SLICED  # no slots
+    assert m.target_path_of(manager(), peer(1)) is TargetPath.WHOLE_PAGES
+    assert m.target_path_of(manager(mla=True), peer(2)) is TargetPath.WHOLE_PAGES
+    assert m.target_path_of(manager(), peer(2)) is TargetPath.HEAD_SLICED
+    assert m.target_path_of(manager(staging=True), peer(2)) is TargetPath.HEAD_SLICED  # no slots
     with pytest.raises(DraftKVLayoutError, match="unset SGLANG_DISAGG_STAGING_BUFFER"):
-        m._target_path(manager(staging=True), peer(2, staging_ptr=4096))
+        m.target_path_of(manager(staging=True), peer(2, staging_ptr=4096))
 
 
 def test_send_kvcache_slice_hook_is_stock_without_a_draft_verdict(sglang_with_plugin):

@@ -298,6 +298,6 @@ def _env_switches(out: Assertions, p: Resolution, sides, target_is_mla: bool) ->
         "staging buffer",
         f"SGLANG_DISAGG_STAGING_BUFFER={os.environ.get('SGLANG_DISAGG_STAGING_BUFFER', '(unset)')}"
         f"; target KV {'head-sliced' if sliced else 'whole pages'} between P and D",
-        "plugin: mooncake_draft_kv._target_path; disaggregation/mooncake/conn.py:278",
+        "plugin: draft_kv_registration.target_path_of; disaggregation/mooncake/conn.py:278",
         refusal,
     )

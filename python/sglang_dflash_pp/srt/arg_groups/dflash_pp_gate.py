@@ -11,7 +11,7 @@ Upstream refuses the combination in two places:
   Then the draft and the target are checked: a plain, unquantised ``fc`` with ascending unique
   ``target_layer_ids``; a target whose every PP stage captures its own features (the
   allow-list ``capture_ownership.PP_CAPTURE_TARGETS``: Kimi-K3 natively, Llama / Qwen3 /
-  Qwen3-MoE / gpt-oss through ``models/pp_capture``); and a PP partition (sglang's own, honouring
+  Qwen3-MoE / gpt-oss through ``models/pp_capture``, ``stage_capture``); and a PP partition (sglang's own, honouring
   ``SGLANG_PP_LAYER_PARTITION``) under which the last stage owns a feature.
 * ``validation_hook.check_pipeline_parallel_compat`` asserts EAGLE/DSPARK only (launch time).
   AROUND hook: for DFLASH we apply our refusals, then run the stock checks through a view on which
@@ -240,6 +240,17 @@ def target_layout_refusal(cfg: Any, draft_hf_config: Any) -> Optional[str]:
     return None
 
 
+def model_refusal(cfg: Any) -> Optional[str]:
+    """The first reason the draft or the target in ``cfg`` cannot run DFLASH with PP, or None:
+    the draft's ``fc`` must split into per-feature column blocks, and the target must capture on
+    every PP stage under a partition whose last stage owns a feature."""
+    draft_path = cfg.speculative_draft_model_path
+    draft_hf_config = _hf_config(cfg, draft_path, cfg.speculative_draft_model_revision)
+    return draft_projection_refusal(draft_hf_config, draft_path) or target_layout_refusal(
+        cfg, draft_hf_config
+    )
+
+
 @contextmanager
 def _pp_size_reads_one(server_args: Any) -> Iterator[None]:
     """Make the resolving view read ``pp_size == 1`` while the stock handler runs."""
@@ -270,11 +281,7 @@ def handle_dflash_around(original, server_args, *args, **kwargs):
         raise ValueError(refusal)
     with _pp_size_reads_one(server_args):
         result = original(server_args, *args, **kwargs)
-    draft_path = cfg.speculative_draft_model_path
-    draft_hf_config = _hf_config(cfg, draft_path, cfg.speculative_draft_model_revision)
-    refusal = draft_projection_refusal(draft_hf_config, draft_path) or target_layout_refusal(
-        cfg, draft_hf_config
-    )
+    refusal = model_refusal(cfg)
     if refusal:
         raise ValueError(refusal)
     logger.info(

@@ -31,17 +31,12 @@ from typing import Callable, Iterator, List, Optional, Sequence
 import numpy as np
 import torch
 
+from sglang_dflash_pp.srt.disaggregation.draft_kv_source import as_byte_rows  # noqa: F401
+
 _SLOT_ALIGN = 256
 # How long a slot whose transfer failed stays out of use: well past Mooncake's per-batch
 # timeout (``MC_TRANSFER_TIMEOUT``, 30 s by default), after which no read of it is in flight.
 QUARANTINE_S = 120.0
-
-
-def as_byte_rows(t: torch.Tensor) -> torch.Tensor:
-    """View a pool buffer ``[rows, ...]`` as ``uint8 [rows, row_bytes]`` without copying."""
-    if not t.is_contiguous():
-        raise ValueError("draft KV buffers must be contiguous to be packed by byte offset")
-    return t.view(torch.uint8).reshape(t.shape[0], -1)
 
 
 def pack_slot_bytes(row_bytes: int, page_size: int, chunk_tokens: int) -> int:
@@ -65,11 +60,11 @@ def prepared_pack(
     kernel's checks and table done once. None where the fused kernel does not apply (use
     :func:`pack_row_slices_index_select` then). ``out`` is any buffer the pack will write into
     (for its device and alignment)."""
-    from sglang_dflash_pp.srt.disaggregation import draft_kv_pack_triton
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_pack_triton import FusedPack, eligible
 
-    if not draft_kv_pack_triton.eligible(sources, byte_offsets, byte_widths, out):
+    if not eligible(sources, byte_offsets, byte_widths, out):
         return None
-    return draft_kv_pack_triton.FusedPack(sources, byte_offsets, byte_widths, out.device)
+    return FusedPack(sources, byte_offsets, byte_widths, out.device)
 
 
 def pack_row_slices_index_select(

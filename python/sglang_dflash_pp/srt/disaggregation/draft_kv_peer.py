@@ -1,8 +1,8 @@
 """The registration-time verdict on one decode peer: how to send it the draft KV, or why not.
 
-Called once per decode registration (``mooncake_draft_kv`` hooks sglang's peer validation), so a
-peer whose layout cannot be served is refused before any byte is written and the send path
-only reads the cached verdict. Stdlib only.
+Called once per decode registration, from the Mooncake prefill's peer validation
+(``draft_kv_registration``), so a peer whose layout cannot be served is refused before any byte
+is written and the send path only reads the cached verdict. Stdlib only.
 
 What is checked, with the entry pairing sglang's send path will use:
 
@@ -13,7 +13,7 @@ What is checked, with the entry pairing sglang's send path will use:
 * the cases head-aware sending depends on: per-entry item lengths and layer ids published.
 
 A peer that sglang's own path already serves exactly gets :attr:`PeerAction.STOCK`, so the send
-hook calls the untouched original for it.
+path takes sglang's own copy for it, unchanged.
 
 Two target paths exist (:class:`TargetPath`): sglang's whole-page copy (``send_kvcache``: MLA and
 hybrid-MLA targets, and any target at equal attention TP), where the target entries must have
@@ -227,7 +227,7 @@ def peer_verdict(
     entries = tuple(DraftEntryPair(i, j, _component(prefill, i)) for i, j in draft_pairs)
     if sliced:
         # sglang would slice the draft entries with the target's head count: never let it.
-        # (The send hook hands sglang the target entries of both sides only, so its own
+        # (The send hands sglang's slicing the target entries of both sides only, so its own
         # pairing, by layer id or by its K/V split, sees no draft entry.)
         action = PeerAction.HEAD_AWARE if pair.writer else PeerAction.TARGET_ONLY
         return DraftKVPeerPlan(action, pair, entries)

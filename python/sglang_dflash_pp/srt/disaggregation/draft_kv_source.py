@@ -9,10 +9,12 @@ staging the packs write into (allocated, compiled and registered at startup).
 
 from __future__ import annotations
 
-import threading
 import weakref
 from dataclasses import dataclass
+from threading import Lock
 from typing import Any, Dict, Optional, Tuple
+
+import torch
 
 from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import (
     DraftKVLayoutError,
@@ -32,8 +34,6 @@ class DraftKVSource:
 
     def entry_rows(self, q: int):
         """Draft entry ``q``'s buffer as ``uint8 [token slots, row bytes]``."""
-        from sglang_dflash_pp.srt.disaggregation.draft_kv_pack import as_byte_rows
-
         pool = self.pool_ref()
         if pool is None:
             raise RuntimeError("the draft KV pool behind these transfer entries was released")
@@ -41,8 +41,15 @@ class DraftKVSource:
         return as_byte_rows(buffers[q])
 
 
+def as_byte_rows(t: torch.Tensor) -> torch.Tensor:
+    """View a pool buffer ``[rows, ...]`` as ``uint8 [rows, row_bytes]`` without copying."""
+    if not t.is_contiguous():
+        raise ValueError("draft KV buffers must be contiguous to be packed by byte offset")
+    return t.view(torch.uint8).reshape(t.shape[0], -1)
+
+
 _sources: Dict[int, DraftKVSource] = {}
-_sources_lock = threading.Lock()
+_sources_lock = Lock()
 
 
 def record_draft_kv_source(source: DraftKVSource) -> None:
@@ -89,3 +96,19 @@ def describe_draft_pool(pool, total_heads: Optional[int]) -> DraftKVSource:
         except DraftKVLayoutError as e:
             reason = str(e)
     return DraftKVSource(tuple(ptrs), shape, reason, weakref.ref(pool))
+
+
+def draft_total_kv_heads(scheduler, pool) -> Optional[int]:
+    """Total KV heads of the draft model whose runner owns ``pool``."""
+    worker = getattr(scheduler, "draft_worker", None)
+    if worker is None:
+        return None
+    runners = [getattr(worker, "draft_model_runner", None)]
+    try:
+        runners += [runner for _, runner in worker.weight_update_runners()]
+    except Exception:  # a worker without draft weights
+        pass
+    for runner in runners:
+        if runner is not None and getattr(runner, "token_to_kv_pool", None) is pool:
+            return int(runner.model_config.get_total_num_kv_heads())
+    return None

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -57,22 +57,12 @@ logger = logging.getLogger(__name__)
 PACK_BUFFER_MB_ENV = "SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB"
 
 
-def env_int(name: str, default: Optional[int], minimum: int) -> Optional[int]:
-    """An integer environment switch of the draft-KV send path (``default`` when unset)."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} must be an integer") from None
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be at least {minimum}")
-    return value
-
-
 def pack_buffer_mb_override() -> Optional[int]:
     """``SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB`` (the whole buffer, MiB), or None when unset."""
+    # the send path's switches are read alike (imported here: in-tree it sits in the mooncake
+    # package, whose conn.py imports this module)
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_send import env_int
+
     return env_int(PACK_BUFFER_MB_ENV, None, 1)
 
 
@@ -176,6 +166,44 @@ def allocate_for_mooncake(device: torch.device) -> Optional[Callable]:
     return allocate
 
 
+def build_rank_staging(source, page_size: int, tp_size: int, tp_rank: int):
+    """The pack staging of attention TP rank ``tp_rank`` of ``tp_size`` for ``source`` (a
+    ``DraftKVSource`` with a known shape), or None where it never packs, built before sglang
+    builds the KV manager (which registers it), sized from the chunk sglang's prefill buffers
+    are sized by and one slot per transfer queue. Raises where it cannot be set up."""
+    from sglang.srt.environ import envs
+    from sglang.srt.runtime_context import get_schedule, max_prefill_buffer_tokens
+
+    src = DraftKVGeometry.for_rank(
+        source.shape, side="prefill", tp_size=tp_size, tp_rank=tp_rank, page_size=page_size
+    )
+    device = source.entry_rows(0).device
+    try:
+        staging = build_staging(
+            source,
+            src,
+            chunk_tokens=max_prefill_buffer_tokens() or get_schedule().max_prefill_tokens,
+            num_slots=max(1, int(envs.SGLANG_DISAGGREGATION_QUEUE_SIZE.get())),
+            allocate=allocate_for_mooncake(device),
+        )
+    except (RuntimeError, ValueError) as e:  # out of memory, a bad size
+        raise RuntimeError(
+            f"DFLASH draft KV pack staging could not be set up on {device}: {e}. Lower "
+            f"--mem-fraction-static or set {PACK_BUFFER_MB_ENV} smaller."
+        ) from e
+    if staging is not None:
+        logger.info("DFLASH draft KV pack staging: %s", staging.describe())
+    return staging
+
+
+def with_pack_staging(source, page_size: int, tp_size: int, tp_rank: int):
+    """``source`` (a ``DraftKVSource``, or None) with its rank's pack staging, where its
+    geometry is known and the rank packs."""
+    if source is None or source.shape is None:
+        return source
+    return replace(source, staging=build_rank_staging(source, page_size, tp_size, tp_rank))
+
+
 # -- the KV manager's registrations -----------------------------------------------------------
 
 
@@ -186,19 +214,32 @@ def _staging_of(manager) -> Optional[DraftKVStaging]:
     return None if source is None else source.staging
 
 
+def register_staging(engine, staging: Optional[DraftKVStaging]) -> None:
+    """Register ``staging``'s pack buffer with ``engine`` (sglang's transfer engine wrapper)
+    once, after the KV manager's own regions; nothing without a staging."""
+    if staging is None or staging.registered_engine is not None:
+        return
+    buffer = staging.buffer
+    rc = engine.batch_register([buffer.ptr], [buffer.nbytes])
+    if rc not in (0, None):
+        raise RuntimeError(
+            f"Mooncake refused to register the {buffer.nbytes}-byte DFlash draft KV pack "
+            f"buffer (rc={rc}); lower {PACK_BUFFER_MB_ENV} or check the transfer engine."
+        )
+    staging.registered_engine = engine
+    logger.info("DFlash draft KV pack buffer registered with Mooncake: %s", staging.describe())
+
+
+def deregister_staging(staging: Optional[DraftKVStaging]) -> None:
+    """Deregister ``staging``'s pack buffer where it is registered."""
+    if staging is not None and staging.registered_engine is not None:
+        staging.registered_engine.batch_deregister([staging.buffer.ptr])
+        staging.registered_engine = None
+
+
 def register_buffer_to_engine_around(original, self, *args, **kwargs):
     out = original(self, *args, **kwargs)
-    staging = _staging_of(self)
-    if staging is not None and staging.registered_engine is None:
-        buffer = staging.buffer
-        rc = self.engine.batch_register([buffer.ptr], [buffer.nbytes])
-        if rc not in (0, None):
-            raise RuntimeError(
-                f"Mooncake refused to register the {buffer.nbytes}-byte DFlash draft KV pack "
-                f"buffer (rc={rc}); lower {PACK_BUFFER_MB_ENV} or check the transfer engine."
-            )
-        staging.registered_engine = self.engine
-        logger.info("DFlash draft KV pack buffer registered with Mooncake: %s", staging.describe())
+    register_staging(self.engine, _staging_of(self))
     return out
 
 
@@ -206,10 +247,7 @@ def deregister_buffer_to_engine_around(original, self, *args, **kwargs):
     try:
         return original(self, *args, **kwargs)
     finally:
-        staging = _staging_of(self)
-        if staging is not None and staging.registered_engine is not None:
-            staging.registered_engine.batch_deregister([staging.buffer.ptr])
-            staging.registered_engine = None
+        deregister_staging(_staging_of(self))
 
 
 _MANAGER = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"

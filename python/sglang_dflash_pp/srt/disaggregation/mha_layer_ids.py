@@ -73,6 +73,42 @@ def decode_mha_layer_ids(
     return list(range(n)) * 2 + draft_band(n, extra)
 
 
+def pairs_mha_by_layer_id(token_to_kv_pool) -> bool:
+    """Whether this process publishes layer ids for a plain-MHA target: a DFLASH PP prefill."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return type(token_to_kv_pool) is MHATokenToKVPool and serving_dflash_pp_prefill()
+
+
+def mha_layer_ids(
+    token_to_kv_pool, draft_token_to_kv_pool, num_draft_entries: int, num_hidden_layers: int
+) -> List[int]:
+    """This stage's ids: its target layers for the K entries, again for the V entries, then the
+    draft band (last stage only), as stock numbers a draft band."""
+    target = list(token_to_kv_pool.model_layer_ids) * 2
+    band = draft_band(num_hidden_layers, num_draft_entries) if draft_token_to_kv_pool else []
+    global _target_num_layers
+    with _lock:
+        _target_num_layers = int(num_hidden_layers)
+    return target + band
+
+
+def fill_decode_layer_ids(kv_args, registration) -> Optional[str]:
+    """A decode that published no layer ids (a PP1 plain-MHA decode), peered with a prefill
+    stage that pairs by id: give ``registration`` the ids of the layout it registered. Returns
+    why that layout does not fit, or None (also when there is nothing to fill)."""
+    num_layers = published_num_layers()
+    if num_layers is None or registration.dst_kv_layer_ids or not kv_args.kv_layer_ids:
+        return None
+    try:
+        registration.dst_kv_layer_ids = decode_mha_layer_ids(
+            num_layers, registration.dst_kv_item_lens, len(registration.dst_kv_ptrs)
+        )
+    except ValueError as e:
+        return f"a DFLASH PP prefill pairs KV entries by layer id: {e}"
+    return None
+
+
 def build_kv_layer_ids_around(
     original, *, token_to_kv_pool, draft_token_to_kv_pool, num_draft_entries, num_hidden_layers
 ):
@@ -82,18 +118,11 @@ def build_kv_layer_ids_around(
         num_draft_entries=num_draft_entries,
         num_hidden_layers=num_hidden_layers,
     )
-    if ids:
+    if ids or not pairs_mha_by_layer_id(token_to_kv_pool):
         return ids
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    if type(token_to_kv_pool) is not MHATokenToKVPool or not serving_dflash_pp_prefill():
-        return ids
-    target = list(token_to_kv_pool.model_layer_ids) * 2
-    band = draft_band(num_hidden_layers, num_draft_entries) if draft_token_to_kv_pool else []
-    global _target_num_layers
-    with _lock:
-        _target_num_layers = int(num_hidden_layers)
-    return target + band
+    return mha_layer_ids(
+        token_to_kv_pool, draft_token_to_kv_pool, num_draft_entries, num_hidden_layers
+    )
 
 
 HOOKS = (

@@ -69,51 +69,37 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
 from sglang_dflash_pp.hooks import PluginHook
-from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import (
-    ChunkPacks,
-    HeadSlice,
-    readers_by_slice,
-)
+from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import ChunkPacks, HeadSlice
 from sglang_dflash_pp.srt.disaggregation.draft_kv_digest import (
     DigestEntries,
     digest_blocks_of,
     digest_entries,
 )
-from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import (
-    DraftKVLayoutError,
-    check_page_ids,
+from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVLayoutError
+from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import DraftKVPeerPlan, PeerAction
+from sglang_dflash_pp.srt.disaggregation.draft_kv_packed_send import (
+    chunk_packs_for,
+    head_slice_of,
+    send_packed,
+    skips_session,
 )
-from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import (
-    DecodePeer,
-    DraftKVPeerPlan,
-    PeerAction,
-    PrefillSide,
-    TargetPath,
-    peer_verdict,
-    target_path,
-)
-from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import (
-    Descriptors,
-    Regime,
-    dst_page_runs,
-    entry_descriptors,
-    pack_source_rows,
-    packed_run_descriptors,
-    pages_per_send,
-    per_token_descriptors,
+from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import Regime
+from sglang_dflash_pp.srt.disaggregation.draft_kv_registration import (
+    PLAN_ATTR as _PLAN_ATTR,
+    draft_kv_verdict as registration_verdict,
+    refusal as _refusal,
 )
 from sglang_dflash_pp.srt.disaggregation.draft_kv_source import draft_kv_source_for
 from sglang_dflash_pp.srt.disaggregation.draft_kv_staging import (
     PACK_BUFFER_MB_ENV,
-    env_int,
     pack_buffer_mb_override,
 )
-from sglang_dflash_pp.srt.disaggregation import kv_digest_send, transfer_chunk
+from sglang_dflash_pp.srt.disaggregation import draft_kv_send, kv_digest_send, transfer_chunk
 from sglang_dflash_pp.srt.disaggregation.mha_layer_ids import (
     decode_mha_layer_ids,
     published_num_layers,
@@ -121,15 +107,13 @@ from sglang_dflash_pp.srt.disaggregation.mha_layer_ids import (
 
 logger = logging.getLogger(__name__)
 
-MAX_BATCH_DESCRIPTORS_ENV = "SGLANG_DFLASH_DRAFT_KV_MAX_BATCH_DESCRIPTORS"
-_PLAN_ATTR = "dflash_draft_kv_plan"  # on the decode's KVArgsRegisterInfo: the verdict
-_SEND_ATTR = "_dflash_draft_kv_send"  # ... and what sending it needs (DraftSend)
+MAX_BATCH_DESCRIPTORS_ENV = draft_kv_send.MAX_BATCH_DESCRIPTORS_ENV
+_SEND_ATTR = draft_kv_send.SEND_ATTR  # ... and what sending it needs (DraftSend)
 _PENDING_ATTR = "_dflash_draft_kv_pending"  # ... or why the verdict could not be decided yet
 _packs = threading.local()  # per transfer worker thread: the packs of its chunk (transfer_chunk)
 
 
-def max_batch_descriptors() -> int:
-    return env_int(MAX_BATCH_DESCRIPTORS_ENV, 1024, 1)
+max_batch_descriptors = draft_kv_send.max_batch_descriptors
 
 
 def check_environment() -> None:
@@ -140,66 +124,11 @@ def check_environment() -> None:
 # -- registration ---------------------------------------------------------------------------
 
 
-def _stock_entry_pairs(self, registration) -> List[Tuple[int, int]]:
-    """The (prefill entry, decode entry) pairs sglang's ``send_kvcache`` will use for this peer."""
-    from sglang.srt.disaggregation.utils import build_transfer_entry_pairs
-
-    kv_args = self.kv_args
-    n_src, n_dst = len(kv_args.kv_data_ptrs), len(registration.dst_kv_ptrs)
-    src_ids, dst_ids = kv_args.kv_layer_ids or [], registration.dst_kv_layer_ids or []
-    if src_ids or dst_ids:
-        return build_transfer_entry_pairs(
-            src_ids, dst_ids, n_src, n_dst, allow_positional_fallback=self.pp_size == 1
-        )
-    if n_src == n_dst:
-        return [(i, i) for i in range(n_src)]
-    # get_mla_kv_ptrs_with_pp: this stage's target slice, then the draft band at the end.
-    n_draft = kv_args.num_draft_entries
-    start, _ = self._mla_kv_entry_span_with_pp(n_src - n_draft)
-    return [(i, start + i) for i in range(n_src - n_draft)] + [
-        (n_src - n_draft + q, n_dst - n_draft + q) for q in range(n_draft)
-    ]
-
-
 def draft_kv_verdict(self, registration) -> Optional[DraftKVPeerPlan]:
     """This prefill rank's verdict on a decode registration; None where we do not apply."""
-    kv_args = self.kv_args
-    source = draft_kv_source_for(kv_args)
-    if source is None:
-        return None  # no DFLASH draft entries on this rank
-    if getattr(registration, "requires_dcp_relayout", False):
-        return None  # send_kvcache_dcp slices the draft itself
-    path = _target_path(self, registration)
-    try:
-        pairs = _stock_entry_pairs(self, registration)
-    except (RuntimeError, ValueError) as e:
-        raise DraftKVLayoutError(
-            f"the prefill and decode KV entries cannot be paired ({e}). Both servers must run "
-            "the same target and draft models and publish KV layer ids."
-        ) from None
-    prefill = PrefillSide(
-        tp_size=self.attn_tp_size,
-        tp_rank=self.attn_tp_rank,
-        page_size=kv_args.page_size,
-        item_lens=list(kv_args.kv_item_lens),
-        num_draft_entries=kv_args.num_draft_entries,
-        has_layer_ids=bool(kv_args.kv_layer_ids),
-        pp_size=self.pp_size,
-        pp_rank=self.pp_rank,
-        shape=source.shape,
-        shape_unknown_reason=source.shape_unknown_reason,
-    )
-    decode = DecodePeer(
-        tp_size=registration.dst_attn_tp_size,
-        tp_rank=registration.dst_tp_rank,
-        item_lens=list(registration.dst_kv_item_lens or []),
-        num_entries=len(registration.dst_kv_ptrs),
-        has_layer_ids=bool(registration.dst_kv_layer_ids),
-    )
-    # Through our own hook, which answers stock while no verdict is attached to this record.
-    stock_skips_kv, _ = self._get_dsa_cache_transfer_skip_flags(registration)
-    plan = peer_verdict(prefill, decode, pairs, stock_skips_kv=stock_skips_kv, target_path=path)
-    if plan.action.sends_draft and plan.pair.regime is Regime.PACK_SOURCE:
+    source = draft_kv_source_for(self.kv_args)
+    plan = registration_verdict(self, registration, source)
+    if plan is not None and plan.action.sends_draft and plan.pair.regime is Regime.PACK_SOURCE:
         staging = source.staging
         need = sum(plan.pair.bytes_per_page(e.component) for e in plan.entries)
         if staging is not None and staging.buffer.slot_bytes < need:
@@ -210,76 +139,26 @@ def draft_kv_verdict(self, registration) -> Optional[DraftKVPeerPlan]:
     return plan
 
 
-def _target_path(self, registration) -> TargetPath:
-    """The copy sglang's transfer worker will use for this peer's target entries (the dispatch
-    in ``MooncakeKVManager.transfer_worker``), or refuse the one we do not cover."""
-    return target_path(
-        bool(self.is_mla_backend or self.is_hybrid_mla_backend),
-        self.attn_tp_size,
-        registration.dst_attn_tp_size,
-        staging=bool(
-            self.enable_staging
-            and (registration.staging_base_ptr != 0 or registration.staging_total_size != 0)
-        ),
-    )
-
-
 @dataclass(frozen=True)
-class DraftSend:
+class DraftSend(draft_kv_send.DraftSend):
     """What sending one decode registration its draft entries needs, computed at registration
     (the send path runs once per decode rank per chunk on the transfer thread, beside the
-    scheduler: nothing here is rebuilt there)."""
+    scheduler: nothing here is rebuilt there), with the plugin's pack and digest parts."""
 
-    plan: DraftKVPeerPlan
-    dst_kv_ptrs: list  # the registration's pointers the verdict was made for
-    regime: Optional[Regime]
-    staging: object  # the rank's pack staging (draft_kv_staging), where it packs
-    max_batch: int  # SGLANG_DFLASH_DRAFT_KV_MAX_BATCH_DESCRIPTORS
-    head_slice: Optional[HeadSlice]  # what this rank packs for the peer (packed regime)
-    src_bases: np.ndarray  # per draft entry of the plan
-    dst_bases: np.ndarray
-    dst_item: np.ndarray  # decode bytes per page, per entry (a packed slab's page stride too)
-    src_pages: np.ndarray  # pages of each source entry (page ids must stay below)
-    digest: Optional[DigestEntries]  # the KV digest's view of the entries (kv_digest_send)
-    page_bound: Optional[int]  # source page ids stay below this (the smallest entry pool)
+    staging: object = None  # the rank's pack staging (draft_kv_staging), where it packs
+    head_slice: Optional[HeadSlice] = None  # what this rank packs for the peer (packed regime)
+    digest: Optional[DigestEntries] = None  # the KV digest's view of the entries (kv_digest_send)
 
     @classmethod
     def of(cls, manager, plan: DraftKVPeerPlan, dst_kv_ptrs) -> "DraftSend":
         kv_args = manager.kv_args
-        n_target = len(kv_args.kv_data_ptrs) - kv_args.num_draft_entries
         entries = plan.entries
-        piece = None
-        if plan.pair is not None and plan.action.sends_draft:
-            if plan.pair.regime is Regime.PACK_SOURCE:
-                piece = HeadSlice.of(
-                    plan.pair.src,
-                    plan.pair.heads,
-                    [e.component for e in entries],
-                    [e.src_index - n_target for e in entries],
-                )
-        item = [kv_args.kv_item_lens[e.src_index] for e in entries]
+        piece = head_slice_of(kv_args, plan)
         source = draft_kv_source_for(kv_args)
         return cls(
-            plan=plan,
-            dst_kv_ptrs=list(dst_kv_ptrs),
-            regime=None if plan.pair is None else plan.pair.regime,
+            **cls.fields_of(kv_args, plan, dst_kv_ptrs),
             staging=None if source is None else source.staging,
-            max_batch=max_batch_descriptors(),
             head_slice=piece,
-            src_bases=np.asarray([kv_args.kv_data_ptrs[e.src_index] for e in entries], np.int64),
-            dst_bases=np.asarray([dst_kv_ptrs[e.dst_index] for e in entries], np.int64),
-            dst_item=np.asarray(
-                [plan.pair.dst.page_bytes(e.component) for e in entries]
-                if plan.pair is not None
-                else [],
-                np.int64,
-            ),
-            src_pages=np.asarray(
-                [kv_args.kv_data_lens[e.src_index] // n for e, n in zip(entries, item)],
-                np.int64,
-            ),
-            page_bound=min((kv_args.kv_data_lens[e.src_index] // n for e, n in zip(entries, item)),
-                           default=None),
             digest=(
                 _interned(digest_entries(plan.pair, [e.component for e in entries],
                                          [kv_args.kv_data_ptrs[e.src_index] for e in entries],
@@ -288,10 +167,6 @@ class DraftSend:
                 else None
             ),
         )
-
-    def check_pages(self, src_pages: np.ndarray) -> None:
-        if self.page_bound is not None:
-            check_page_ids(src_pages, self.page_bound)
 
 
 def _attach(registration, plan: Optional[DraftKVPeerPlan], send: Optional[DraftSend]) -> None:
@@ -323,14 +198,6 @@ def _decide(self, registration) -> Optional[DraftKVPeerPlan]:
         send = DraftSend.of(self, plan, registration.dst_kv_ptrs)
     _attach(registration, plan, send)
     return plan
-
-
-def _refusal(self, registration, e: Exception) -> str:
-    return (
-        f"DFlash draft KV cannot be sent to decode attention TP rank "
-        f"{registration.dst_tp_rank} of {registration.dst_attn_tp_size} from "
-        f"prefill rank {self.attn_tp_rank} of {self.attn_tp_size}: {e}"
-    )
 
 
 def validate_peer_state_layout_around(original, self, registration_info, *args, **kwargs):
@@ -430,9 +297,7 @@ def _draft_send_of(self, session: str) -> Optional[DraftSend]:
 
 def _packed_slice_of(self, session: str) -> Optional[HeadSlice]:
     """The head slice this rank packs for decode ``session``, or None (it packs nothing for it)."""
-    if session in getattr(self, "failed_sessions", ()) or session in getattr(
-        self, "state_layout_rejections", {}
-    ):
+    if skips_session(self, session):
         return None  # sglang's loop stops at such a session
     send = _draft_send_of(self, session)
     return None if send is None else send.head_slice
@@ -445,14 +310,8 @@ def _chunk_packs(self, staging) -> Optional[ChunkPacks]:
         return None
     packs = getattr(_packs, "value", None)
     if packs is None:
-        infos = (getattr(self, "transfer_infos", None) or {}).get(chunk.room) or {}
-        readers = readers_by_slice(
-            (session, _packed_slice_of(self, session))
-            for session, info in infos.items()
-            if not getattr(info, "is_dummy", False)
-        )
-        packs = _packs.value = ChunkPacks(
-            staging.buffer, staging.prepared, readers, self.kv_args.page_size,
+        packs = _packs.value = chunk_packs_for(
+            self, staging, chunk.room, lambda session: _packed_slice_of(self, session),
             transfer_chunk.written(),
         )  # fmt: skip
     return packs
@@ -605,8 +464,7 @@ def send_kvcache_around(
             ret = stock(_TargetEntriesOnly(self))
             if ret != 0 or send.plan.action is PeerAction.TARGET_ONLY:
                 return ret
-        # sglang's HiSparse rule: the appended draft entries live in device pages on the decode.
-        dst_pages = dst_device_kv_indices if dst_device_kv_indices is not None else dst_kv_indices
+        dst_pages = draft_kv_send.draft_dst_pages(dst_kv_indices, dst_device_kv_indices)
         return send_draft_entries(self, send, mooncake_session_id, prefill_kv_indices, dst_pages)
 
     return _managed_send(self, mooncake_session_id, dst_kv_ptrs, send_all)
@@ -645,14 +503,10 @@ def send_kvcache_slice_around(
             return stock(self, dst_kv_ptrs, dst_layer_ids)
         # sglang slices the target heads, seeing the target entries of both sides only: its
         # K/V split (no layer ids) and its id pairing are then both exact.
-        entries = send.plan.entries
-        n_target_dst = len(dst_kv_ptrs) - len(entries)
-        if sorted(e.dst_index for e in entries) != list(range(n_target_dst, len(dst_kv_ptrs))):
-            logger.error("DFlash draft KV: decode %s's draft entries are not its last entries",
-                         mooncake_session_id)  # fmt: skip
+        target = draft_kv_send.decode_target_entries(send, dst_kv_ptrs, dst_layer_ids)
+        if target is None:
             return -1
-        ids = list(dst_layer_ids[:n_target_dst]) if dst_layer_ids else dst_layer_ids
-        ret = stock(_TargetEntriesOnly(self), list(dst_kv_ptrs[:n_target_dst]), ids)
+        ret = stock(_TargetEntriesOnly(self), *target)
         if ret != 0 or send.plan.action is PeerAction.TARGET_ONLY:
             return ret
         return send_draft_entries(
@@ -688,35 +542,13 @@ def _send_draft_entries(self, send: DraftSend, session, src_pages, dst_pages) ->
         memo = transfer_chunk.memo()  # built on the digest thread, shared by the chunk's sends
         kv_digest_send.add_blocks(self, _current_room(self), session, registration,
                                   lambda: _digest_blocks(send, src_pages, dst_pages, memo))  # fmt: skip
-    pair, staging = send.plan.pair, send.staging
+    staging = send.staging
     packing = send.regime is Regime.PACK_SOURCE and staging is not None
-    packs = _chunk_packs(self, staging) if packing else None
-    if packs is not None:
-        try:
-            slabs = packs.slab(send.head_slice, src_pages)  # checks the pages it packs
-            if slabs is not None:
-                return _send_from_slabs(self, send, packs, slabs, session, dst_pages)
-        finally:
-            packs.done(send.head_slice, session)
-    send.check_pages(src_pages)
-    components = [e.component for e in send.plan.entries]
-    step = pages_per_send(
-        pair,
-        components,
-        src_pages.size,
-        max_batch_pages=self.max_transfer_batch_indices,
-        pack_slot_bytes=staging.buffer.slot_bytes if packing else None,
-    )
-    for start in range(0, src_pages.size, step):
-        s, d = src_pages[start : start + step], dst_pages[start : start + step]
-        if packing:
-            ret = _send_packed(self, send, staging, session, s, d)
-        else:  # a packed regime without staging (none could be built) goes per token row
-            build = per_token_descriptors if send.regime is Regime.PACK_SOURCE else entry_descriptors
-            ret = _transfer(self, session, _pool_descriptors(send, s, d, build), send.max_batch)
-        if ret != 0:
-            return ret
-    return 0
+    if not packing:  # a packed regime without staging (none could be built) goes per token row
+        return draft_kv_send.send_from_pool(self, send, session, src_pages, dst_pages)
+    packs = _chunk_packs(self, staging)
+    return send_packed(self, send, staging, send.head_slice, session, src_pages, dst_pages,
+                       packs, transfer_chunk.written())  # fmt: skip
 
 
 def _digest_blocks(send: DraftSend, src_pages, dst_pages, memo=None):
@@ -744,87 +576,9 @@ def _interned(entries: DigestEntries) -> DigestEntries:
         return _interned_digest_entries.setdefault(key, entries)
 
 
-def _pool_descriptors(send: DraftSend, src_pages, dst_pages, build) -> Descriptors:
-    """Descriptors straight from the pool's entries (``build`` is a ``draft_kv_plan`` builder)."""
-    return Descriptors.concat(
-        [
-            build(send.plan.pair, e.component, int(sb), int(db), src_pages, dst_pages)
-            for e, sb, db in zip(send.plan.entries, send.src_bases, send.dst_bases)
-        ]
-    )
-
-
-def _send_from_slabs(self, send: DraftSend, packs: ChunkPacks, slabs, session, dst_pages) -> int:
-    """Send this decode rank's pages from the chunk's packed slabs (entry order of the plan),
-    in sglang's bounded index batches when it sets them."""
-    step = dst_pages.size
-    if self.max_transfer_batch_indices > 0:
-        step = pages_per_send(
-            send.plan.pair,
-            [e.component for e in send.plan.entries],
-            dst_pages.size,
-            max_batch_pages=self.max_transfer_batch_indices,
-        )
-    bases = packs.slot.ptr + np.asarray(slabs, dtype=np.int64)
-    for start in range(0, dst_pages.size, max(step, 1)):
-        runs = packs.dst_runs(dst_pages[start : start + step])
-        descriptors = packed_run_descriptors(
-            send.dst_item, bases + start * send.dst_item, send.dst_bases, runs
-        )
-        ret = _transfer(self, session, descriptors, send.max_batch)
-        if ret != 0:
-            packs.failed()
-            return ret
-    return 0
-
-
-def _send_packed(self, send: DraftSend, staging, session, src_pages, dst_pages) -> int:
-    """One window of pages packed for this decode rank alone (no chunk slab), or, with every
-    slot held or quarantined, sent per token row straight from the pool."""
-    from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import pack_slices
-
-    slot = staging.buffer.take()
-    if slot is None:
-        logger.warning("DFlash draft KV: no free pack slot; sending %s per token row", session)
-        descriptors = _pool_descriptors(send, src_pages, dst_pages, per_token_descriptors)
-        return _transfer(self, session, descriptors, send.max_batch)
-    ok = False
-    try:
-        (slabs,) = pack_slices(
-            slot,
-            0,
-            (send.head_slice,),
-            staging.prepared,
-            pack_source_rows(send.plan.pair, src_pages),
-            transfer_chunk.written(),
-        )
-        runs = dst_page_runs(dst_pages)
-        bases = slot.ptr + np.asarray(slabs, dtype=np.int64)
-        descriptors = packed_run_descriptors(send.dst_item, bases, send.dst_bases, runs)
-        ret = _transfer(self, session, descriptors, send.max_batch)
-        ok = ret == 0
-        return ret
-    finally:
-        staging.buffer.give_back(slot, quarantine=not ok)
-
-
-def _transfer(self, session: str, descriptors: Descriptors, max_batch: int) -> int:
-    """The transfer engine's calls; what it returns (or raises) is the transport's verdict."""
-    for batch in descriptors.batches(max_batch):
-        try:
-            ret = self._transfer_data(session, batch.as_blocks())
-        except Exception:
-            logger.exception("Mooncake transfer of DFlash draft KV to %s raised", session)
-            ret = -1
-        if ret != 0:
-            return ret
-    return 0
-
-
 def transfer_skip_flags_around(original, self, info, *args, **kwargs):
     skip_kv, skip_state = original(self, info, *args, **kwargs)
-    plan = getattr(info, _PLAN_ATTR, None)
-    if skip_kv and plan is not None and plan.action is PeerAction.DRAFT_ONLY:
+    if skip_kv and draft_kv_send.sends_draft_despite_skip(info):
         return False, skip_state
     return skip_kv, skip_state
 

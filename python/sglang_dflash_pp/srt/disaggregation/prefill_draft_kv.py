@@ -27,31 +27,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Optional
 
 from sglang_dflash_pp.hooks import PluginHook, require_applied
 from sglang_dflash_pp.srt.disaggregation.draft_kv_source import (
     describe_draft_pool,
+    draft_total_kv_heads,
     record_draft_kv_source,
 )
 
 logger = logging.getLogger(__name__)
-
-
-def draft_total_kv_heads(scheduler, pool) -> Optional[int]:
-    """Total KV heads of the draft model whose runner owns ``pool``."""
-    worker = getattr(scheduler, "draft_worker", None)
-    if worker is None:
-        return None
-    runners = [getattr(worker, "draft_model_runner", None)]
-    try:
-        runners += [runner for _, runner in worker.weight_update_runners()]
-    except Exception:  # a worker without draft weights
-        pass
-    for runner in runners:
-        if runner is not None and getattr(runner, "token_to_kv_pool", None) is pool:
-            return int(runner.model_config.get_total_num_kv_heads())
-    return None
 
 
 def _is_dflash(scheduler) -> bool:
@@ -121,36 +105,10 @@ def attention_tp():
 
 def _build_staging(source, page_size: int):
     """The rank's pack staging, before sglang builds the KV manager (which registers it)."""
-    from sglang.srt.environ import envs
-    from sglang.srt.runtime_context import get_schedule, max_prefill_buffer_tokens
-
-    from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVGeometry
-    from sglang_dflash_pp.srt.disaggregation.draft_kv_staging import (
-        allocate_for_mooncake,
-        build_staging,
-    )
+    from sglang_dflash_pp.srt.disaggregation.draft_kv_staging import build_rank_staging
 
     tp_size, tp_rank = attention_tp()
-    src = DraftKVGeometry.for_rank(
-        source.shape, side="prefill", tp_size=tp_size, tp_rank=tp_rank, page_size=page_size
-    )
-    device = source.entry_rows(0).device
-    try:
-        staging = build_staging(
-            source,
-            src,
-            chunk_tokens=max_prefill_buffer_tokens() or get_schedule().max_prefill_tokens,
-            num_slots=max(1, int(envs.SGLANG_DISAGGREGATION_QUEUE_SIZE.get())),
-            allocate=allocate_for_mooncake(device),
-        )
-    except (RuntimeError, ValueError) as e:  # out of memory, a bad size
-        raise RuntimeError(
-            f"DFLASH draft KV pack staging could not be set up on {device}: {e}. Lower "
-            "--mem-fraction-static or set SGLANG_DFLASH_DRAFT_KV_PACK_BUFFER_MB smaller."
-        ) from e
-    if staging is not None:
-        logger.info("DFLASH draft KV pack staging: %s", staging.describe())
-    return staging
+    return build_rank_staging(source, page_size, tp_size, tp_rank)
 
 
 HOOKS = (

@@ -3,7 +3,7 @@
 The DFlash context is ``RMSNorm(fc(concat(h_0..h_{K-1})))`` over the outputs of the target layers
 ``target_layer_ids``. Under PP each stage sees only its own layers, so each stage can contribute
 only the features it captures itself, and must project exactly those with its column blocks of
-``fc``. Every target class this plugin accepts reads the output of layer ``L`` where layer
+``fc``. Every target class DFLASH PP accepts reads the output of layer ``L`` where layer
 ``L + 1`` takes its attention input (0.5.23's "capture before layer id+1"). The classes differ only
 in what happens to the final layer's output (:class:`CaptureConvention`):
 
@@ -16,8 +16,8 @@ in what happens to the final layer's output (:class:`CaptureConvention`):
   would fail on it at the first request, PP or not).
 
 :data:`PP_CAPTURE_TARGETS` is the allow-list: the target architectures whose every PP stage
-captures its own features (Kimi-K3 natively, the others through ``models/pp_capture``), each with
-its convention. Pure: no sglang import; the glue feeds it sglang's own partition
+captures its own features (Kimi-K3 natively, the others through ``models/stage_capture``), each
+with its convention. Pure: no sglang import; the PP worker feeds it sglang's own partition
 (``get_pp_indices``).
 """
 
@@ -45,8 +45,8 @@ FINAL_LAYER_AT_NORM = CaptureConvention("input of layer L+1; the final layer at 
 BEFORE_NEXT_LAYER = CaptureConvention("input of layer L+1; the final layer is never captured", False)
 
 # Architecture (``config.json`` ``architectures``) -> convention. Every name here is a class whose
-# non-last PP stages capture their own features: Kimi-K3 in stock 0.5.23, the rest through the
-# hooks in ``models/pp_capture`` (one test per class). Anything else is refused by name.
+# non-last PP stages capture their own features: Kimi-K3 in stock 0.5.23, the rest through
+# ``models/stage_capture`` (one test per class). Anything else is refused by name.
 PP_CAPTURE_TARGETS: Dict[str, CaptureConvention] = {
     "KimiK3ForConditionalGeneration": FINAL_LAYER_AT_NORM,
     "KimiK3LinearForCausalLM": FINAL_LAYER_AT_NORM,

@@ -20,7 +20,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from safetensors import safe_open
 
-from sglang_dflash_pp.srt.models.context_partial import feature_columns
+from sglang_dflash_pp.srt.models.context_partial import fc_column_block, feature_columns
 
 FC_WEIGHT_NAMES = ("fc.weight", "model.fc.weight", "encoder.fc.weight")
 _INDEX_FILE = "model.safetensors.index.json"
@@ -86,3 +86,22 @@ def load_fc_column_blocks(
             end = min(row + _ROW_BAND, hidden_size)
             block[row:end] = tensor_slice[row:end, columns.start : columns.stop]
     return block
+
+
+# Set on a DFlash draft built KV-write-only (``kv_write_draft``): its fc holds only the column
+# blocks of the features it names.
+KV_WRITE_ONLY_ATTR = "_dflash_pp_kv_write_only"
+
+
+def stage_fc_block(draft_model, features: Sequence[int], hidden: int) -> torch.Tensor:
+    """``[H, k*H]`` of ``fc`` for the last stage's ``features``: a column block of the full
+    ``fc``, or the whole ``fc`` of a KV-write-only draft built for these features."""
+    pruned = draft_model.__dict__.get(KV_WRITE_ONLY_ATTR)
+    if pruned is None:
+        return fc_column_block(draft_model.fc.weight, features, hidden)
+    if tuple(pruned.features) != tuple(features):
+        raise RuntimeError(
+            f"The KV-write-only draft holds fc blocks {list(pruned.features)}, but the stage "
+            f"projects features {list(features)}."
+        )
+    return draft_model.fc.weight

@@ -11,9 +11,11 @@ minimum over stages. Stock DSpark prunes its own draft on a PD prefill server
 (``DSparkDraftMixin.prune_to_ctx_kv_injection``, after loading); ``DFlashDraftModel`` has no
 such method, so we prune while it is built instead, and never allocate most of what is pruned.
 
-Active only inside :func:`kv_write_only_build`, which ``PPDFlashWorkerV2`` enters around its
-stock ``__init__`` on the last stage of a DFLASH PP prefill server (the only place the draft
-never runs a forward). Decode servers, PP1 and every other model build exactly as stock.
+Active only inside :func:`kv_write_only_build`, or while ``PPDFlashWorkerV2`` builds its draft
+on the last stage of a DFLASH PP prefill server (``last_stage_draft_build``, around its stock
+``__init__``: the only place the draft never runs a forward). Decode servers, PP1 and every other model build exactly as stock.
+
+The logic is ``kv_write_only`` (the module that moves in-tree); the hooks here call it.
 
 Hooks:
 
@@ -39,76 +41,27 @@ Hooks:
 
 from __future__ import annotations
 
-import contextvars
-import re
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Sequence, Tuple
-
 import torch
-from torch import nn
 
 from sglang_dflash_pp.hooks import PluginHook
-from sglang_dflash_pp.srt.models.context_partial import fc_column_block, feature_columns
-from sglang_dflash_pp.srt.models.dflash_fc_columns import FC_WEIGHT_NAMES
-from sglang_dflash_pp.srt.models.dummy_draft_weights import (
-    dummy_full_parameter,
-    release_cached_memory,
+from sglang_dflash_pp.srt.models.dflash_fc_columns import stage_fc_block  # noqa: F401 (tests)
+from sglang_dflash_pp.srt.models.kv_write_only import (  # noqa: F401 (tests' names)
+    KVWriteOnlyDraft,
+    building_kv_write_only,
+    dummy_kv_write_only,
+    finish_kv_write_only,
+    kv_write_only,
+    kv_write_only_build,
+    kv_write_weights,
 )
 
-_MARK_ATTR = "_dflash_pp_kv_write_only"
 _FULL_HEADS_ATTR = "_dflash_pp_total_num_heads"
-_PRUNED_WEIGHT = re.compile(r"\.(self_attn\.q_proj|self_attn\.o_proj|mlp)\.")
-_FUSED_QKV = re.compile(r"\.self_attn\.qkv_proj\.(weight|bias)$")
-
-_building: contextvars.ContextVar = contextvars.ContextVar(
-    "sglang_dflash_pp_kv_write_only_build", default=None
-)
-
-
-@dataclass(frozen=True)
-class KVWriteOnlyDraft:
-    """A pruned draft's ``fc``: the column blocks of ``features`` out of ``num_features``."""
-
-    features: Tuple[int, ...]
-    num_features: int
-    hidden: int
-
-
-@contextmanager
-def kv_write_only_build(features: Sequence[int]) -> Iterator[None]:
-    """Build every DFlash draft constructed inside as KV-write-only for ``features``."""
-    features = tuple(int(f) for f in features)
-    feature_columns(features, 1)  # consecutive and non-empty, or raise
-    token = _building.set(features)
-    try:
-        yield
-    finally:
-        _building.reset(token)
-
-
-def kv_write_only(draft_model) -> Optional[KVWriteOnlyDraft]:
-    return draft_model.__dict__.get(_MARK_ATTR)
-
-
-def stage_fc_block(draft_model, features: Sequence[int], hidden: int) -> torch.Tensor:
-    """``[H, k*H]`` of ``fc`` for the last stage's ``features``, pruned or stock."""
-    pruned = kv_write_only(draft_model)
-    if pruned is None:
-        return fc_column_block(draft_model.fc.weight, features, hidden)
-    if pruned.features != tuple(features):
-        raise RuntimeError(
-            f"The KV-write-only draft holds fc blocks {list(pruned.features)}, but the stage "
-            f"projects features {list(features)}."
-        )
-    return draft_model.fc.weight
-
 
 # -- construction ---------------------------------------------------------------------------
 
 
 def build_qkv_proj_around(original, self, *args, **kwargs):
-    if _building.get() is None:
+    if building_kv_write_only() is None:
         return original(self, *args, **kwargs)
     self.__dict__[_FULL_HEADS_ATTR] = self.total_num_heads
     self.total_num_heads = 0  # stays 0 until attention_init_around: o_proj gets no columns
@@ -126,7 +79,7 @@ def attention_init_around(original, self, *args, **kwargs):
 
 
 def mlp_init_around(original, self, *args, **kwargs):
-    if _building.get() is None:
+    if building_kv_write_only() is None:
         return original(self, *args, **kwargs)
     with torch.device("meta"):
         return original(self, *args, **kwargs)
@@ -134,76 +87,23 @@ def mlp_init_around(original, self, *args, **kwargs):
 
 def draft_init_around(original, self, config, *args, **kwargs):
     result = original(self, config, *args, **kwargs)
-    features = _building.get()
-    if features is None or _MARK_ATTR in self.__dict__:
-        return result
-    if self.quantizable:
-        raise RuntimeError(
-            "The last PP stage builds its DFlash draft KV-write-only, which needs an "
-            "unquantised fc; the PP gate should have refused this draft."
-        )
-    hidden = int(config.hidden_size)
-    for layer in self.layers:
-        layer.mlp = None
-    full_fc = self.fc
-    device, dtype = full_fc.weight.device, full_fc.weight.dtype
-    self.fc = nn.Linear(len(features) * hidden, hidden, bias=False, device=device, dtype=dtype)
-    del full_fc
-    self.__dict__[_MARK_ATTR] = KVWriteOnlyDraft(features, int(self.num_context_features), hidden)
-    release_cached_memory(device)
+    finish_kv_write_only(self, config)
     return result
 
 
 # -- weights --------------------------------------------------------------------------------
 
 
-def _kv_write_weights(model, pruned: KVWriteOnlyDraft, weights: Iterable) -> Iterator:
-    columns = feature_columns(pruned.features, pruned.hidden)
-    full_fc = (pruned.hidden, pruned.num_features * pruned.hidden)
-    for name, weight in weights:
-        if _PRUNED_WEIGHT.search(f".{name}"):
-            continue
-        if name in FC_WEIGHT_NAMES and tuple(weight.shape) == full_fc:
-            weight = weight[:, columns]  # a wrong shape goes through: stock names the mismatch
-        elif _FUSED_QKV.search(f".{name}"):
-            attn = model.layers[int(re.search(r"layers\.(\d+)\.", name).group(1))].self_attn
-            weight = weight[attn.total_num_heads * attn.head_dim :]
-        yield name, weight
-
-
 def load_weights_around(original, self, weights, *args, **kwargs):
     pruned = kv_write_only(self)
     if pruned is None:
         return original(self, weights, *args, **kwargs)
-    return original(self, _kv_write_weights(self, pruned, weights), *args, **kwargs)
+    return original(self, kv_write_weights(self, pruned, weights), *args, **kwargs)
 
 
 def initialize_dummy_weights_around(original, model, *args, **kwargs):
     result = original(model, *args, **kwargs)
-    pruned = kv_write_only(model)
-    if pruned is None:
-        return result
-
-    def full(name, param, shape):
-        return dummy_full_parameter(
-            name, shape, param.dtype, param.device, lambda m: original(m, *args, **kwargs)
-        )
-
-    with torch.no_grad():
-        fc = model.fc.weight
-        fc_shape = (pruned.hidden, pruned.num_features * pruned.hidden)
-        columns = feature_columns(pruned.features, pruned.hidden)
-        fc.copy_(full("fc.weight", fc, fc_shape)[:, columns])
-        for i, layer in enumerate(model.layers):
-            attn = layer.self_attn
-            q_rows = attn.num_heads * attn.head_dim
-            for kind in ("weight", "bias"):
-                param = getattr(attn.qkv_proj, kind, None)
-                if param is not None:
-                    shape = (q_rows + param.shape[0],) + tuple(param.shape[1:])
-                    name = f"layers.{i}.self_attn.qkv_proj.{kind}"
-                    param.copy_(full(name, param, shape)[q_rows:])
-    release_cached_memory(model.fc.weight.device)
+    dummy_kv_write_only(model, lambda m: original(m, *args, **kwargs))
     return result
 
 

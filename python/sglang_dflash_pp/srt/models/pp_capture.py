@@ -22,19 +22,21 @@ model opens a per-forward accumulator, a pre-hook on each capture layer hands it
 layer's own capture argument (so the stock capture path of the layer boundary does the work),
 and a forward hook on the model moves the packed ``[T, k_s * H]`` captures into the returned
 ``PPProxyTensors``. The last stage and every other configuration (PP1, DSPARK, EAGLE3, decode)
-keep the stock setter's behaviour: the hook calls it and returns.
+keep the stock setter's behaviour: the hook calls it and returns. The capture itself is
+``stage_capture`` (the module that moves in-tree).
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Dict, List, Sequence
+from typing import Dict
 
 from sglang_dflash_pp.hooks import PluginHook
+from sglang_dflash_pp.srt.models.stage_capture import (  # noqa: F401 (tests' names)
+    StageCapture,
+    arm_stage_capture,
+    stage_capture_layers,
+)
 from sglang_dflash_pp.srt.pp_prefill_role import serving_dflash_pp_prefill
-from sglang_dflash_pp.srt.speculative.pp_stage_carry import CAPTURE_KEY
-
-logger = logging.getLogger(__name__)
 
 # Hooked class (dotted) -> the decoder layer's capture keyword, and whether it takes the
 # accumulator itself (True) or its ``capture`` callback (False). One test per class
@@ -46,79 +48,12 @@ HOOKED_CLASSES: Dict[str, tuple] = {
     "sglang.srt.models.gpt_oss.GptOssForCausalLM": ("capture_output", False),
 }
 
-_STATE_ATTR = "_dflash_pp_stage_capture"
-
-
-def stage_capture_layers(layer_ids: Sequence[int], start: int, end: int) -> List[int]:
-    """The layers of ``[start, end)`` whose input is a draft feature (``L + 1`` for each id)."""
-    return sorted({int(i) + 1 for i in layer_ids if start <= int(i) + 1 < end})
-
-
-class _StageCapture:
-    """The torch hooks of one non-last stage's inner model; see the module docstring."""
-
-    def __init__(self, model, capture_layers: Sequence[int], keyword: str, takes_accumulator: bool):
-        from sglang.srt.layers.aux_hidden_states import AuxHiddenStateList
-
-        self._new_accumulator = AuxHiddenStateList
-        self.capture_layers = tuple(capture_layers)
-        self.keyword = keyword
-        self.takes_accumulator = takes_accumulator
-        self.current = None
-        self.handles = [
-            model.register_forward_pre_hook(self._open),
-            model.register_forward_hook(self._emit),
-        ]
-        for i in self.capture_layers:
-            self.handles.append(
-                model.layers[i].register_forward_pre_hook(self._hand_in, with_kwargs=True)
-            )
-
-    def _open(self, module, args):
-        self.current = self._new_accumulator()
-
-    def _hand_in(self, module, args, kwargs):
-        if self.current is None or kwargs.get(self.keyword) is not None:
-            return None
-        value = self.current if self.takes_accumulator else self.current.capture
-        return args, {**kwargs, self.keyword: value}
-
-    def _emit(self, module, args, output):
-        from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
-        from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
-
-        captured, self.current = self.current, None
-        if not isinstance(output, PPProxyTensors):
-            return None
-        if captured is None or len(captured) != len(self.capture_layers):
-            got = 0 if captured is None else len(captured)
-            raise RuntimeError(
-                f"DFLASH PP capture: this stage armed layers {list(self.capture_layers)} but "
-                f"captured {got} feature(s) in one forward."
-            )
-        output.tensors[CAPTURE_KEY] = pack_aux_hidden_states(list(captured))
-        return output
-
 
 def set_dflash_layers_to_capture_around(original, self, layer_ids, *args, **kwargs):
     result = original(self, layer_ids, *args, **kwargs)
     if self.pp_group.is_last_rank or not serving_dflash_pp_prefill():
         return result
-    keyword, takes_accumulator = HOOKED_CLASSES[_hooked_name(type(self))]
-    model = self.model
-    layers = stage_capture_layers(layer_ids, int(model.start_layer), int(model.end_layer))
-    previous = model.__dict__.get(_STATE_ATTR)
-    if previous is not None:  # armed twice (weight reload): replace, never stack
-        for handle in previous.handles:
-            handle.remove()
-    if layers:
-        model.__dict__[_STATE_ATTR] = _StageCapture(model, layers, keyword, takes_accumulator)
-    logger.info(
-        "DFLASH PP stage %d: %s captures the input of layers %s for the draft's context.",
-        self.pp_group.rank_in_group,
-        type(self).__name__,
-        layers,
-    )
+    arm_stage_capture(self, layer_ids, *HOOKED_CLASSES[_hooked_name(type(self))])
     return result
 
 

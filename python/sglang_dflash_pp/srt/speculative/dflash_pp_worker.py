@@ -1,5 +1,6 @@
 """``PPDFlashWorkerV2``: DFlash on one PP stage of a PD prefill server (a subclass of 0.5.23's
-``DFlashWorkerV2``; selected by the ``create_worker`` hook in ``worker_selection``).
+``DFlashWorkerV2``; selected by the ``create_worker`` hook in ``worker_selection``, which first
+refuses to start it without every hook of ours applied).
 
 Why a subclass and not the stock worker: stock ``DFlashWorkerV2`` builds the full draft, its runner
 and its KV pool on every stage, and on a non-last stage dereferences ``logits_output`` and
@@ -16,9 +17,10 @@ and its KV pool on every stage, and on a non-last stage dereferences ``logits_ou
   stock forward (the ``models/dflash.py`` hook finishes it), minus the two target-embedding steps
   that cannot run where the embedding is not local, and minus the verify-sampling rehearsal (a
   prefill server never verifies); it builds its draft with the target's synchronised seed and
-  the stage-local load group (``last_stage_draft_build``: stock would deadlock here), and builds
-  it KV-write-only (``kv_write_draft``: no query rows, ``o_proj`` or MLPs, and only its own
-  ``fc`` column block), since a prefill server never runs the draft forward.
+  the stage-local load group (``last_stage_draft_build``: stock would deadlock here), and the
+  draft build reads the stage's features from the same context to build it KV-write-only
+  (``kv_write_draft``: no query rows, ``o_proj`` or MLPs, and only its own ``fc`` column
+  block), since a prefill server never runs the draft forward.
 
 Under dummy draft weights (``--speculative-draft-load-format dummy``, or ``--load-format dummy``
 when that is unset, as the draft runner resolves it) a non-last stage reads nothing from the draft
@@ -48,19 +50,16 @@ from sglang.srt.speculative.draft_parallel import (
 )
 from sglang.srt.speculative.spec_utils import draft_pp_context, draft_tp_context
 
-from sglang_dflash_pp.hooks import require_hooks_applied
 from sglang_dflash_pp.srt.disaggregation.kv_write_fence import record_kv_written
-from sglang_dflash_pp.srt.arg_groups.dflash_pp_gate import CONFIGURATION
 from sglang_dflash_pp.srt.models.capture_ownership import (
     FeatureOwnership,
     capture_convention,
     compute_feature_ownership,
 )
 from sglang_dflash_pp.srt.models.context_partial import carry_dtype_from_env
-from sglang_dflash_pp.srt.models.dflash import LastStageContext, stashed_context
-from sglang_dflash_pp.srt.models.dflash_fc_columns import load_fc_column_blocks
+from sglang_dflash_pp.srt.models.last_stage_context import LastStageContext, stashed_context
+from sglang_dflash_pp.srt.models.dflash_fc_columns import load_fc_column_blocks, stage_fc_block
 from sglang_dflash_pp.srt.models.dummy_draft_weights import dummy_fc_column_blocks, is_dummy
-from sglang_dflash_pp.srt.models.kv_write_draft import kv_write_only_build, stage_fc_block
 from sglang_dflash_pp.srt.speculative.pp_stage_carry import (
     StageCarry,
     inbound_partial,
@@ -114,7 +113,6 @@ class PPDFlashWorkerV2(DFlashWorkerV2):
     """DFLASH worker of one PP stage of a PD prefill server; see the module docstring."""
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker):
-        require_hooks_applied(CONFIGURATION)
         ownership = stage_ownership(target_worker)
         draft_model_config = target_worker.model_runner.spec_aux_config.draft_model_config
         hidden = int(draft_model_config.hf_config.hidden_size)
@@ -123,8 +121,8 @@ class PPDFlashWorkerV2(DFlashWorkerV2):
         self._hosts_draft = self._carry.is_last
         if self._hosts_draft:
             with last_stage_draft_build(
-                get_pp_stage_load_group(), target_worker.random_seed
-            ), kv_write_only_build(self._carry.features):
+                get_pp_stage_load_group(), target_worker.random_seed, self._carry.features
+            ):
                 super().__init__(server_args, gpu_id, nccl_port, target_worker)
             self._w_stage = stage_fc_block(self.draft_model, self._carry.features, hidden)
         else:

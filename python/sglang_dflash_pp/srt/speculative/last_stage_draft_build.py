@@ -13,8 +13,9 @@ defaults:
   last stage alone would wait for the others forever. We pass the stage-local group, captured
   before ``draft_pp_context`` (inside it ``pp_size`` reads 1), as stock DSpark does.
 
-``PPDFlashWorkerV2`` sets these around its ``super().__init__`` on the last stage; the AROUND
-hook on ``build_draft_tp_worker`` (``worker_selection``) applies them to that one call.
+``PPDFlashWorkerV2`` sets these around its ``super().__init__`` on the last stage, with the
+features that stage captures (the KV-write-only draft build, ``models/kv_write_draft``, reads
+them); ``build_draft_tp_worker`` applies the seed and the load group to that one call.
 """
 
 from __future__ import annotations
@@ -22,23 +23,27 @@ from __future__ import annotations
 import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True)
 class LastStageDraftBuild:
     load_group: Any
     random_seed: int
+    features: Tuple[int, ...] = ()  # the draft features this stage captures
 
 
 _current: contextvars.ContextVar = contextvars.ContextVar(
-    "sglang_dflash_pp_last_stage_draft_build", default=None
+    "dflash_last_stage_draft_build", default=None
 )
 
 
 @contextmanager
-def last_stage_draft_build(load_group: Any, random_seed: int) -> Iterator[None]:
-    token = _current.set(LastStageDraftBuild(load_group, int(random_seed)))
+def last_stage_draft_build(
+    load_group: Any, random_seed: int, features: Sequence[int] = ()
+) -> Iterator[None]:
+    build = LastStageDraftBuild(load_group, int(random_seed), tuple(int(f) for f in features))
+    token = _current.set(build)
     try:
         yield
     finally:

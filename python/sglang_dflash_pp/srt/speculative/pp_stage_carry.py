@@ -1,7 +1,7 @@
 """What one PP stage of the prefill server puts on the wire for the DFlash context.
 
 Kimi-K3 in 0.5.23 relays a non-last stage's captures as the proxy key ``dspark_hidden_states``
-(the cumulative raw concat, up to K x H per token). A stage of ours pops that key before the
+(the cumulative raw concat, up to K x H per token). A DFLASH PP stage pops that key before the
 proxy leaves and puts the running partial projection under ``dflash_ctx_partial`` instead (one
 ``[T, H]`` tensor in the carry dtype), so the next stage never receives raw captures and its own
 concat holds only its local features.
@@ -23,8 +23,8 @@ import torch
 
 from sglang_dflash_pp.srt.models.capture_ownership import FeatureOwnership
 from sglang_dflash_pp.srt.models.context_partial import accumulate_partial
+from sglang_dflash_pp.srt.models.stage_capture import CAPTURE_KEY
 
-CAPTURE_KEY = "dspark_hidden_states"
 PARTIAL_KEY = "dflash_ctx_partial"
 
 

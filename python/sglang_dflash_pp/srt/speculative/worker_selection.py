@@ -34,8 +34,11 @@ def create_worker_around(original, self, server_args, *args, **kwargs):
 
     if worker_cls is not DFlashWorkerV2:
         return worker_cls  # an out-of-tree platform's own worker
+    from sglang_dflash_pp.hooks import require_hooks_applied
+    from sglang_dflash_pp.srt.arg_groups.dflash_pp_gate import CONFIGURATION
     from sglang_dflash_pp.srt.speculative.dflash_pp_worker import PPDFlashWorkerV2
 
+    require_hooks_applied(CONFIGURATION)
     return PPDFlashWorkerV2
 
 

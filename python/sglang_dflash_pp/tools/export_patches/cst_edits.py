@@ -607,3 +607,98 @@ def _is_docstring_or_future(stmt) -> bool:
         return False
     node = stmt.body[0]
     return isinstance(node, cst.Expr) and isinstance(node.value, cst.SimpleString)
+
+
+@dataclass(frozen=True)
+class ReplaceKeywordArgument(Edit):
+    """Pass ``keyword=value`` (our code) instead of the value the one call of ``call`` inside
+    ``symbol`` passes today; ``old`` is that value (the anchor, matched by AST)."""
+
+    call: str = ""
+    keyword: str = ""
+    old: str = ""
+    value: str = ""
+
+    def apply(self, module):
+        func_key, old_key = _expr_key(self.call), _expr_key(self.old)
+
+        def edit(node):
+            calls = find_all(
+                node, lambda n: isinstance(n, cst.Call) and _safe_key(n.func) == func_key
+            )
+            target = _the_one(calls, f"call of `{self.call}(...)`")
+            args = [a for a in target.args if a.keyword is not None
+                    and a.keyword.value == self.keyword]  # fmt: skip
+            arg = _the_one(args, f"`{self.call}(...)` argument `{self.keyword}=`")
+            if _safe_key(arg.value) != old_key:
+                raise AnchorError(
+                    f"`{self.call}(...)` passes `{self.keyword}={_one_line(code_of(arg.value))}`"
+                    f", not `{self.old}`"
+                )
+            new = cst.parse_expression(self.value)
+            return replace_node(node, arg.value, lambda old: new)
+
+        return at_symbol(module, self.symbol, edit)
+
+    def describe(self):
+        return f"`{self.call}(...)` passes `{self.keyword}={self.value}` (was `{self.old}`)"
+
+    def anchors(self):
+        return (self.call, self.old)
+
+
+@dataclass(frozen=True)
+class AddParameter(Edit):
+    """Give the function ``symbol`` one more parameter with a default (our code), after its
+    last positional-or-keyword parameter, laid out as its parameters are (one per line, or on
+    one line). A function with ``*args`` or keyword-only parameters gets it keyword-only."""
+
+    name: str = ""
+    default: str = "None"
+    annotation: Optional[str] = None
+
+    def apply(self, module):
+        def edit(node):
+            if not isinstance(node, cst.FunctionDef):
+                raise AnchorError(f"`{self.symbol}` is not a function")
+            p = node.params
+            every = list(p.posonly_params) + list(p.params) + list(p.kwonly_params)
+            if any(q.name.value == self.name for q in every):
+                raise AnchorError(f"`{self.symbol}` already has a parameter `{self.name}`")
+            keyword_only = p.star_arg is not cst.MaybeSentinel.DEFAULT or bool(p.kwonly_params)
+            field = "kwonly_params" if keyword_only else "params"
+            params = list(getattr(p, field))
+            if not params:
+                raise AnchorError(f"`{self.symbol}` has no {field} to follow")
+            spaced = self.annotation is not None  # black: `x: T = None`, `x=None`
+            ws = cst.SimpleWhitespace(" " if spaced else "")
+            new = cst.Param(
+                name=cst.Name(self.name),
+                annotation=(
+                    cst.Annotation(cst.parse_expression(self.annotation)) if spaced else None
+                ),
+                equal=cst.AssignEqual(whitespace_before=ws, whitespace_after=ws),
+                default=cst.parse_expression(self.default),
+            )
+            last = params[-1]
+            if len(params) >= 2 and isinstance(params[-2].comma, cst.Comma):
+                between = params[-2].comma
+            elif isinstance(last.comma, cst.Comma):
+                between = last.comma
+            else:
+                between = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+            # the break before ")" (in the last parameter's comma or after it) stays at the end
+            params[-1] = last.with_changes(
+                comma=between, whitespace_after_param=cst.SimpleWhitespace("")
+            )
+            params.append(
+                new.with_changes(comma=last.comma, whitespace_after_param=last.whitespace_after_param)
+            )
+            return node.with_changes(params=p.with_changes(**{field: params}))
+
+        return at_symbol(module, self.symbol, edit)
+
+    def describe(self):
+        if self.annotation:
+            return f"parameter `{self.name}: {self.annotation} = {self.default}` added"
+        return f"parameter `{self.name}={self.default}` added"

@@ -9,13 +9,11 @@ stops the export before it: the series then holds the finished prefix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict
 
 from sglang_dflash_pp.tools.export_patches.cst_edits import (
     AddImport,
     AddKeywordArgument,
-    Edit,
     GuardStatement,
     IfTest,
     InsertStatements,
@@ -24,33 +22,8 @@ from sglang_dflash_pp.tools.export_patches.cst_edits import (
     WidenCondition,
 )
 from sglang_dflash_pp.tools.export_patches.new_modules import NewModule
-
-
-@dataclass(frozen=True)
-class PR:
-    number: str
-    edits: Tuple[Edit, ...] = ()
-    new_modules: Tuple[NewModule, ...] = ()
-    note: str = ""  # our paragraph for the commit message: the choice taken, how it is tested
-    bug: Optional[str] = None  # docs/upstream/bugs/<bug>/repro.py prints the right answer after it
-    # keys of that repro's ``observed`` it cannot show fixed on a patched tree (it exercises them
-    # without the code this PR changes); checked another way in test_export_patches
-    bug_unshown: Tuple[str, ...] = ()
-    unfinished: Optional[str] = None  # why the generator has no complete in-tree form of it yet
-
-    @property
-    def finished(self) -> bool:
-        return self.unfinished is None
-
-    def touched_modules(self) -> Tuple[str, ...]:
-        """The in-tree modules this PR edits or adds, as importable names."""
-        files = [e.file for e in self.edits] + [m.file for m in self.new_modules]
-        names = []
-        for f in files:
-            name = "sglang." + f[: -len(".py")].replace("/", ".")
-            if name not in names:
-                names.append(name)
-        return tuple(names)
+from sglang_dflash_pp.tools.export_patches import stack_mooncake, stack_pp
+from sglang_dflash_pp.tools.export_patches.pr import PR
 
 
 # -- PR 1 ------------------------------------------------------------------------------------
@@ -145,7 +118,7 @@ PR_3B = PR(
             "SchedulerPPMixin._pp_launch_batch",
             after=Stmt("event.record(self.device_module.current_stream())"),
             code="""
-            if self.disaggregation_mode == DisaggregationMode.PREFILL:
+            if self.disaggregation_mode == DisaggregationMode.PREFILL:  # a PD prefill
                 # The KV transfer of these requests' chunks waits on this forward.
                 record_kv_written(cur_batch.reqs, self.device)
             """,
@@ -289,33 +262,15 @@ PR_3 = PR(
 )
 
 
-# -- not finished yet ------------------------------------------------------------------------
+# -- the registry -----------------------------------------------------------------------------
 
+# PR 16 is written separately (docs/upstream/README.md, "Verifying every transferred byte").
 UNFINISHED = {
-    "4": "not written yet. Its in-tree form: KVArgs gains the draft's KV geometry "
-    "(disaggregation/base/conn.py), PrefillBootstrapQueue._init_kv_manager fills it where it "
-    "appends the draft pool (from draft_kv_source.describe_draft_pool), and "
-    "MooncakeKVManager._validate_peer_state_layout calls the verdict after its stock checks "
-    "and, until PR 5 sends head-aware, refuses every verdict other than STOCK. The pure "
-    "modules draft_kv_geometry, draft_kv_peer, column_arrays and draft_kv_plan move in-tree "
-    "(the digest's blocks are in draft_kv_digest, PR 16); the verdict's call-site "
-    "code (mooncake_draft_kv.draft_kv_verdict) is hook code and must be rewritten as an "
-    "in-tree method",
-    "5": "head-aware send: after PR 4",
-    "6": "pack on source: after PR 5",
-    "7": "send_kvcache_slice: after PR 5",
-    "8": "last-stage draft entries: after PR 7",
-    "9": "MHA layer ids: after PR 8",
-    "10": "project_target_hidden: after PR 9",
-    "11": "PP capture in four model files: after PR 10",
-    "12": "the PP-aware DFLASH worker: after PR 11",
-    "13": "the PP relay for DFLASH: after PR 12",
-    "14": "the startup gate: after PR 13",
-    "15": "the KV-write-only draft: after PR 14",
-    "16": "being written in docs/upstream/README.md by another change; not in this generator",
+    "16": "the composed KV digest: not in this generator yet",
 }
 
-FINISHED = (PR_1, PR_2, PR_3B, PR_3)
+FINISHED = (PR_1, PR_2, PR_3B, PR_3) + stack_mooncake.PRS + stack_pp.PRS
 
 REGISTRY: Dict[str, PR] = {p.number: p for p in FINISHED}
-REGISTRY.update({n: PR(n, unfinished=why) for n, why in UNFINISHED.items()})
+for _group in (stack_mooncake.UNFINISHED, stack_pp.UNFINISHED, UNFINISHED):
+    REGISTRY.update({n: PR(n, unfinished=why) for n, why in _group.items() if n not in REGISTRY})

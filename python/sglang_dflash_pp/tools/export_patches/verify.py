@@ -184,3 +184,17 @@ def run_repro(bug: str, package_dir: str, cache_dir: Optional[str] = None,
         )
     state["from_tree"] = _from_tree(state, package_dir)
     return {"result": result, **state, "stdout": r.stdout}
+
+
+def run_on_tree(code: str, package_dir: str, args: Sequence[str] = (),
+                cache_dir: Optional[str] = None, timeout: float = 600) -> dict:
+    """Our ``code`` on the patched tree, without the plugin (the import hook of every check
+    refuses it): what it printed as ``RESULT {json}``, and the plugin state after it."""
+    script = _PRELUDE + code + '\nprint("PLUGIN_STATE " + json.dumps(_plugin_state()))\n'
+    r = _run(script, args, tree_env(package_dir, cache_dir), timeout)
+    result = _tagged(r.stdout, "RESULT")
+    state = _tagged(r.stdout, "PLUGIN_STATE")
+    if result is None or state is None:
+        raise ExportError(f"the script did not finish (exit {r.returncode}):\n{r.stderr[-3000:]}")
+    state["from_tree"] = _from_tree(state, package_dir)
+    return {"result": result, **state, "stdout": r.stdout}
