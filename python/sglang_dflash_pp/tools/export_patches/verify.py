@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -138,29 +139,54 @@ def import_modules(package_dir: str, modules: Sequence[str], cache_dir: Optional
 
 
 def verify_prefixes(package_dir: str, prs: Sequence, cache_dir: Optional[str] = None,
-                    log=print) -> List[ImportCheck]:
-    """Check out each commit of the series in turn and import every module the PRs up to it
-    touched; the repository is left where it was."""
+                    log=print, workers: int = 2) -> List[ImportCheck]:
+    """Check out each commit of the series and import every module the PRs up to it touched;
+    the repository is left where it was. The prefixes are spread over ``workers`` checkouts (the
+    repository and detached worktrees of it, removed after), each a subprocess importing
+    sglang's scheduler stack at a time: most of the check's time."""
     repo = ScratchRepo(package_dir)
+    rel = os.path.relpath(package_dir, repo.root)
     ref = subprocess.run(
         ["git", "symbolic-ref", "-q", "--short", "HEAD"], cwd=repo.root, capture_output=True,
         text=True,
     ).stdout.strip() or repo.head()
-    checks, modules = [], []
-    try:
-        for r in prs:
-            modules += [m for m in r.modules if m not in modules]
-            repo.git("checkout", "-q", r.commit)
-            state = import_modules(package_dir, modules, cache_dir)
-            check = ImportCheck(r.pr, r.commit, list(modules), **state)
-            checks.append(check)
-            log(f"prefix up to PR {r.pr}: {'imports' if check.ok else 'FAILS'} "
-                f"({len(modules)} modules)")
-            for name, tb in check.errors.items():
-                log(f"  {name}:\n{tb}")
-    finally:
-        repo.git("checkout", "-q", ref)
-    return checks
+    prefixes, modules = [], []
+    for r in prs:
+        modules += [m for m in r.modules if m not in modules]
+        prefixes.append((r, list(modules)))
+    workers = max(1, min(workers, len(prefixes)))
+    checks: Dict[int, ImportCheck] = {}
+    with tempfile.TemporaryDirectory(prefix="export-patches-prefixes-") as tmp:
+        roots = [repo.root]
+        try:
+            for k in range(1, workers):
+                root = os.path.join(tmp, str(k), os.path.basename(os.path.normpath(repo.root)))
+                repo.git("worktree", "add", "-q", "--detach", root, prefixes[k][0].commit)
+                roots.append(root)
+
+            def run(k: int) -> None:
+                root = roots[k]
+                for idx in range(k, len(prefixes), workers):
+                    r, mods = prefixes[idx]
+                    subprocess.run(["git", "checkout", "-q", r.commit], cwd=root, check=True,
+                                   capture_output=True)  # fmt: skip
+                    state = import_modules(os.path.join(root, rel), mods, cache_dir)
+                    checks[idx] = ImportCheck(r.pr, r.commit, list(mods), **state)
+
+            with ThreadPoolExecutor(workers) as pool:
+                for f in [pool.submit(run, k) for k in range(workers)]:
+                    f.result()
+        finally:
+            repo.git("checkout", "-q", ref)
+            for root in roots[1:]:
+                repo.git("worktree", "remove", "--force", root)
+    out = [checks[i] for i in range(len(prefixes))]
+    for check in out:
+        log(f"prefix up to PR {check.pr}: {'imports' if check.ok else 'FAILS'} "
+            f"({len(check.modules)} modules)")
+        for name, tb in check.errors.items():
+            log(f"  {name}:\n{tb}")
+    return out
 
 
 def docs_bug_dir() -> str:
