@@ -28,6 +28,18 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_plan import Regime
 N, DRAFT_LAYERS = 4, 2
 
 
+@pytest.fixture(autouse=True)
+def _no_published_layer_ids_leak():
+    """``mha_layer_ids`` records, per process, that this prefill published synthesized ids (a
+    server does it once at startup); a test that publishes must not leave it to later modules,
+    whose registrations would then be paired by id."""
+    from sglang_dflash_pp.srt.disaggregation import mha_layer_ids
+
+    saved = mha_layer_ids._target_num_layers
+    yield
+    mha_layer_ids._target_num_layers = saved
+
+
 def labels(layers, draft: bool):
     target = [f"K{i}" for i in layers] + [f"V{i}" for i in layers]
     band = [f"dK{i}" for i in range(DRAFT_LAYERS)] + [f"dV{i}" for i in range(DRAFT_LAYERS)]
