@@ -100,10 +100,7 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_staging import (
     pack_buffer_mb_override,
 )
 from sglang_dflash_pp.srt.disaggregation import draft_kv_send, kv_digest_send, transfer_chunk
-from sglang_dflash_pp.srt.disaggregation.mha_layer_ids import (
-    decode_mha_layer_ids,
-    published_num_layers,
-)
+from sglang_dflash_pp.srt.disaggregation.mha_layer_ids import fill_decode_layer_ids
 
 logger = logging.getLogger(__name__)
 
@@ -178,15 +175,9 @@ def _attach(registration, plan: Optional[DraftKVPeerPlan], send: Optional[DraftS
 def _fill_decode_layer_ids(self, registration) -> None:
     """A stock plain-MHA decode publishes no layer ids; when this prefill stage pairs by id
     (``mha_layer_ids``), give the record the ids of the layout the decode registered."""
-    num_layers = published_num_layers()
-    if num_layers is None or registration.dst_kv_layer_ids or not self.kv_args.kv_layer_ids:
-        return
-    try:
-        registration.dst_kv_layer_ids = decode_mha_layer_ids(
-            num_layers, registration.dst_kv_item_lens, len(registration.dst_kv_ptrs)
-        )
-    except ValueError as e:
-        raise DraftKVLayoutError(str(e)) from None
+    reason = fill_decode_layer_ids(self.kv_args, registration)
+    if reason is not None:
+        raise DraftKVLayoutError(reason)
 
 
 def _decide(self, registration) -> Optional[DraftKVPeerPlan]:
