@@ -48,6 +48,7 @@ from sglang_dflash_pp.srt.disaggregation.draft_kv_registration import PLAN_ATTR
 from sglang_dflash_pp.srt.disaggregation.draft_kv_send import (
     pool_descriptors,
     send_from_pool,
+    send_in_windows,
     transfer,
 )
 
@@ -119,21 +120,11 @@ def send_packed(
                 return send_from_slabs(manager, send, packs, slabs, session, dst_pages)
         finally:
             packs.done(head_slice, session)
-    send.check_pages(src_pages)
-    components = [e.component for e in send.plan.entries]
-    step = pages_per_send(
-        send.plan.pair,
-        components,
-        src_pages.size,
-        max_batch_pages=manager.max_transfer_batch_indices,
+    return send_in_windows(
+        manager, send, src_pages, dst_pages,
+        lambda s, d: send_window(manager, send, staging, head_slice, session, s, d, written),
         pack_slot_bytes=staging.buffer.slot_bytes,
-    )
-    for start in range(0, src_pages.size, step):
-        s, d = src_pages[start : start + step], dst_pages[start : start + step]
-        ret = send_window(manager, send, staging, head_slice, session, s, d, written)
-        if ret != 0:
-            return ret
-    return 0
+    )  # fmt: skip
 
 
 def send_from_slabs(manager, send, packs: ChunkPacks, slabs, session, dst_pages) -> int:

@@ -199,18 +199,27 @@ def send_from_pool(manager, send: DraftSend, session: str, src_pages, dst_pages)
     """The draft entries straight from the pool, in sglang's bounded index batches: whole
     destination page runs where a token row of both sides is the same heads, one descriptor per
     token row otherwise."""
+    build = per_token_descriptors if send.regime is Regime.PACK_SOURCE else entry_descriptors
+    return send_in_windows(
+        manager, send, src_pages, dst_pages,
+        lambda s, d: transfer(manager, session, pool_descriptors(send, s, d, build), send.max_batch),
+    )  # fmt: skip
+
+
+def send_in_windows(manager, send: DraftSend, src_pages, dst_pages, send_window,
+                    pack_slot_bytes: Optional[int] = None) -> int:  # fmt: skip
+    """``send_window(src, dst)`` over the pages in windows of sglang's bounded index batches
+    (and, packing, of what one pack slot holds for every entry); the first failure ends it."""
     send.check_pages(src_pages)
-    components = [e.component for e in send.plan.entries]
     step = pages_per_send(
         send.plan.pair,
-        components,
+        [e.component for e in send.plan.entries],
         src_pages.size,
         max_batch_pages=manager.max_transfer_batch_indices,
+        pack_slot_bytes=pack_slot_bytes,
     )
-    build = per_token_descriptors if send.regime is Regime.PACK_SOURCE else entry_descriptors
     for start in range(0, src_pages.size, step):
-        s, d = src_pages[start : start + step], dst_pages[start : start + step]
-        ret = transfer(manager, session, pool_descriptors(send, s, d, build), send.max_batch)
+        ret = send_window(src_pages[start : start + step], dst_pages[start : start + step])
         if ret != 0:
             return ret
     return 0
