@@ -56,8 +56,12 @@ released, as Mooncake's transfer releases it); a middle chunk ends as the worker
 (``end_chunk``: its digest goes on, on the digest thread, during the next chunk), a last chunk
 waits at the status (``flush``). Timed against the same sends with the digest off, in one loop:
 exposed = wall(on) - wall(off), medians; the digest thread's queue is drained after each sample
-(untimed: its lag) and its busy time read. ``_all_inline``: a middle chunk digested by the
-worker itself before the chunk ends (the synchronous design, the same functions).
+(untimed: its lag) and its busy time read. A last chunk's digest runs on the digest thread
+during its own transfers of at least ``kv_digest_send.EAGER_DIGEST_MIN_BYTES`` and at the status.
+``_all_inline``: a chunk digested by the worker itself before the chunk ends or at the status (the
+synchronous design; for a last chunk the previous shipped design; the same functions);
+``_no_eager``: a last chunk on the thread, all of it at the status (the eager threshold set past
+any transfer).
 
 Ratio: digest time / (chunk bytes / 50 GB/s), chunk bytes = the bytes of the chunk's descriptors
 to the 8 decode ranks (what Mooncake moves for them; the draft's equal its digest blocks').
@@ -451,8 +455,7 @@ class SendPath:
         kds, mdk = self.kds, self.mdk
         m = self.manager if digest else self.manager_off
         move = _moved if link_bps is None else _moving(link_bps)
-        # the transfer worker hook's begin_chunk / end_chunk (the chunk's _Pending: inline on a
-        # last chunk)
+        # the transfer worker hook's begin_chunk / end_chunk (the chunk's _Pending)
         mdk.begin_chunk(m, SimpleNamespace(room=room, wait_event=wait_event, is_last_chunk=last))
         if inline and digest:  # the synchronous variant: this chunk digested by the worker
             kds._pending().inline = True
@@ -718,17 +721,29 @@ def run(args):
     # worker, and its busy time for the chunk.
     thread_use = {}
 
-    # The shipped split (a middle chunk on the digest thread, a last chunk inline) against every
-    # chunk inline (the worker resolves and digests its chunk itself before the chunk ends: the
-    # synchronous design, the same functions), same run.
-    modes = {"": False, "_all_inline": True}
-    thread_use.update({f"{w}{m}": dict(lag=[], busy=[]) for w in ("middle", "last") for m in modes})
+    # The shipped path (every chunk on the digest thread; a last chunk also digested during its
+    # own transfers of at least EAGER_DIGEST_MIN_BYTES) against: every chunk inline (the worker
+    # resolves and digests its chunk itself before the chunk ends or at the status: the
+    # synchronous design, and for a last chunk the previous shipped design, the same functions),
+    # and a last chunk on the thread without those eager digests (all of it at the status);
+    # same run.
+    kds = sp.kds
+    modes = {"": dict(inline=False), "_all_inline": dict(inline=True),
+             "_no_eager": dict(inline=False, eager_min_bytes=1 << 62)}  # fmt: skip
+    mode_chunks = {"": ("middle", "last"), "_all_inline": ("middle", "last"), "_no_eager": ("last",)}
+    thread_use.update({f"{w}{m}": dict(lag=[], busy=[]) for m in modes for w in mode_chunks[m]})
 
     def over_link(last, on, mode=""):
         def fn(e):
             room["now"] = next(sp.rooms)
             room["busy0"] = sp.manager._dflash_kv_digest.thread.busy_s
-            return sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on, inline=modes[mode])
+            shipped_eager = kds.EAGER_DIGEST_MIN_BYTES
+            kds.EAGER_DIGEST_MIN_BYTES = modes[mode].get("eager_min_bytes", shipped_eager)
+            try:
+                return sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on,
+                                inline=modes[mode]["inline"])  # fmt: skip
+            finally:
+                kds.EAGER_DIGEST_MIN_BYTES = shipped_eager
         return fn
 
     def drained(last, mode=""):
@@ -764,7 +779,7 @@ def run(args):
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off": (request(False), sp.stream, None),
         **{f"over_link_{w}_chunk_digest_on{m}": (over_link(w == "last", True, m), sp.stream,
                                                  drained(w == "last", m))
-           for w in ("middle", "last") for m in modes if not (w == "last" and m)},
+           for m in modes for w in mode_chunks[m]},
         "over_link_middle_chunk_digest_off": (over_link(False, False), sp.stream, None),
         "over_link_last_chunk_digest_off": (over_link(True, False), sp.stream, None),
         "shipped_send_path_middle_chunk": (shipped(False), sp.stream, pop),
@@ -800,7 +815,9 @@ def run(args):
         busy = use["busy"][-args.reps:] if n >= args.reps else use["busy"]
         lag = use["lag"][-args.reps:] if n >= args.reps else use["lag"]
         results[f"over_link_{which}_chunk_exposed{mode}"] = dict(
-            inline=modes[mode] or which == "last",
+            inline=modes[mode]["inline"],
+            eager_digest_min_bytes=(modes[mode].get("eager_min_bytes", kds.EAGER_DIGEST_MIN_BYTES)
+                                    if which == "last" else None),  # fmt: skip
             exposed_s=on["median"] - off["median"],
             over_link_time=(on["median"] - off["median"]) / link,
             emulated_link_s=link, wall_on_median_s=on["median"], wall_off_median_s=off["median"],
@@ -1255,7 +1272,7 @@ def section(r, name="kv_digest_cost.json"):
     ]
     rows = [
         ("shipped send path, no link, middle chunk (the sends handed to the digest thread, then `flush` waits for it)", "shipped_send_path_middle_chunk"),
-        ("shipped send path, no link, last chunk (with the KDA state; inline)", "shipped_send_path_last_chunk"),
+        ("shipped send path, no link, last chunk (with the KDA state; on the digest thread)", "shipped_send_path_last_chunk"),
         ("`add_blocks` (blocks built beforehand) + `flush`, middle chunk", "shipped_add_blocks_flush_middle_chunk"),
         ("`add_blocks` + `flush`, last chunk", "shipped_add_blocks_flush_last_chunk"),
         ("direct `DeviceDigest.digest`, one call, this script's blocks (middle chunk)", "direct_call_formula_blocks"),
@@ -1282,8 +1299,13 @@ def section(r, name="kv_digest_cost.json"):
         which, mode = key[len("over_link_"):].split("_chunk_exposed")
         x = res[key]
         on, off = res[f"over_link_{which}_chunk_digest_on{mode}"], res[f"over_link_{which}_chunk_digest_off"]
-        how = ("inline, before the chunk ends (the synchronous design)" if mode else
-               "inline, before the status (shipped)" if which == "last" else "on the digest thread (shipped)")
+        how = {
+            ("middle", ""): "on the digest thread, after the chunk (shipped)",
+            ("middle", "_all_inline"): "inline, before the chunk ends (the synchronous design)",
+            ("last", ""): "on the digest thread, during the chunk's long transfers and at the status (shipped)",
+            ("last", "_all_inline"): "inline, at the status (the previous shipped design)",
+            ("last", "_no_eager"): "on the digest thread, all at the status (no digest during its transfers)",
+        }.get((which, mode), mode)
         out.append(
             f"| {which} | {how} | {us(off['wall_s'])} "
             f"({100 * x['wall_off_over_link_time']:.0f}% of the link time) | "
@@ -1511,6 +1533,8 @@ def smoke():
         off = sp.pop(5)
         sp.chunk(6, None, False, link_bps=LINK_BPS, inline=True)
         mid_inline = sp.pop(6)
+        sp.chunk(7, None, True, link_bps=LINK_BPS, inline=True)
+        last_inline = sp.pop(7)
         sp.popped = last  # what decode_side_state compares with
     finally:
         sys.meta_path.remove(blocker)
@@ -1529,7 +1553,8 @@ def smoke():
                                for r in g.decode_ranks],
         state_keys=len([k for k in last[g.decode_ranks[0]].sums if k[0] == 2]),
         over_link_equals_without=[mid_link[r].sums == mid[r].sums and last_link[r].sums == last[r].sums
-                                  and mid_inline[r].sums == mid[r].sums for r in g.decode_ranks],
+                                  and mid_inline[r].sums == mid[r].sums
+                                  and last_inline[r].sums == last[r].sums for r in g.decode_ranks],
         digest_off_sends_no_sums=all(not off[r].sums for r in g.decode_ranks),
         sglang_imports_refused_on_the_shipped_path=imported, host_s=[t1 - t0, t2 - t1],
         bytes=[sp.bytes(False), sp.bytes(True)]), indent=1))  # fmt: skip

@@ -284,9 +284,10 @@ def test_the_digest_thread_runs_when_a_worker_enters_a_transfer_or_the_workers_a
     assert idle.wait(5)  # no window at all: after IDLE_S
 
 
-def test_a_room_sums_its_middle_chunks_on_the_thread_and_its_last_chunk_inline():
-    """Two middle chunks of a room (queued for the digest thread) and its last chunk (digested
-    by the worker at the status): the decode rank's sums cover the three chunks' bytes."""
+def test_a_room_sums_its_middle_chunks_and_its_last_chunk_on_the_thread():
+    """Two middle chunks of a room (digested on the thread after each ends) and its last chunk
+    (on the thread too, done before the status): the decode rank's sums cover the three chunks'
+    bytes."""
     import numpy as np
 
     from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks, BufferKind, buffer_key
@@ -303,3 +304,77 @@ def test_a_room_sums_its_middle_chunks_on_the_thread_and_its_last_chunk_inline()
     want = digest_blocks_host(Blocks.of([src.ctypes.data], [0], 768, 0), keys)
     assert failures == [] and len(sent) == 1
     assert decode(sent[0]).sums == {(1, 0): int(want[0])}
+
+
+def test_a_last_chunk_is_digested_during_its_own_long_transfers_and_read_before_its_status(
+    monkeypatch,
+):
+    """On a room's last chunk, a transfer of at least EAGER_DIGEST_MIN_BYTES has the digest
+    thread digest what is queued while it runs (here: the decode rank's own blocks, during its
+    transfer), so the status waits only for the tail; every block is read before the status."""
+    import threading
+
+    import numpy as np
+
+    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks, BufferKind, buffer_key
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import decode, digest_blocks_host
+    from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
+
+    monkeypatch.setattr(kv_digest_send, "WINDOW_MIN_BYTES", 256)
+    monkeypatch.setattr(kv_digest_send, "EAGER_DIGEST_MIN_BYTES", 512)
+    src = np.random.default_rng(5).integers(0, 256, 2048, dtype=np.uint8)
+    base = src.ctypes.data
+    digested = []  # (blocks, bytes) per engine call
+
+    class CountingEngine(DigestEngine):
+        def digest(self, blocks, keys, wait_events=()):
+            digested.append(blocks.total_bytes)
+            return super().digest(blocks, keys, wait_events)
+
+    failures, sent = [], []
+    regs, manager = _chunk_manager(CountingEngine("cpu"), failures, sent)
+    regs["d1"] = types.SimpleNamespace(dst_kv_ptrs=[1 << 41], dst_state_data_ptrs=[])
+    thread = manager._dflash_kv_digest.thread
+    during = {}
+
+    def transfer(engine, session_id, buffers, peer_buffer_addresses, lengths, *a, **k):
+        # Mooncake's wait, the GIL free: the thread runs what the hook queued meanwhile
+        idle = threading.Event()
+        thread.submit(idle.set)
+        assert idle.wait(5)
+        during[session_id] = list(digested)
+        return 0
+
+    at_status = []
+    manager.request_status[11] = KVPoll.Transferring
+    mooncake_draft_kv.begin_chunk(
+        manager, types.SimpleNamespace(room=11, wait_event=None, is_last_chunk=True))
+    try:
+        for i, s in enumerate(("d0", "d1")):
+            with kv_digest_send.scope(manager, s, None):
+                # one long transfer (eager) and one short one (only the window) per decode rank
+                kv_digest_send.batch_transfer_sync_around(
+                    transfer, manager.engine, s, [base + 1024 * i], [regs[s].dst_kv_ptrs[0]], [768])
+                kv_digest_send.batch_transfer_sync_around(
+                    transfer, manager.engine, s, [base + 1024 * i + 768],
+                    [regs[s].dst_kv_ptrs[0] + 768], [256])
+        for s in ("d0", "d1"):
+            aux = types.SimpleNamespace(room=11, mooncake_session_id=s, is_dummy=False,
+                                        required_dst_info_num=2, endpoint="127.0.0.1", dst_port=1)
+            kv_digest_send.send_aux_around(
+                lambda *a, **k: at_status.append((thread.idle, sum(digested))), manager, aux)
+    finally:
+        mooncake_draft_kv.end_chunk()
+    # each rank's long transfer digested that rank's 768 bytes while it ran; its short one only
+    # resolved (the window too short for an engine call); the tail at the status
+    assert during == {"d0": [768], "d1": [768, 256 + 768]}
+    assert digested == [768, 256 + 768, 256]
+    # sglang's status follows the room's last aux: by then every byte was read (the first aux
+    # goes out before the worker waits for the thread)
+    assert at_status[-1] == (True, 2048) and len(at_status) == 2
+    keys = [buffer_key(BufferKind.KV, 0)]
+    assert failures == []
+    for i, frames in enumerate(sent):
+        want = digest_blocks_host(Blocks.of([base + 1024 * i], [0], 1024, 0), keys)
+        assert decode(frames).sums == {(1, 0): int(want[0])}

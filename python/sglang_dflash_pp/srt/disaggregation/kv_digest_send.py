@@ -9,14 +9,15 @@ sums go to the decode as one small ZMQ message on the socket the transfer status
 decode that sees the room complete holds every sender's contribution. The decode side is
 ``kv_digest_verify``.
 
-Where the work runs (one :class:`_Pending` per chunk, made by :func:`begin_chunk`): a middle
-chunk's host work goes to a thread of its own (``kv_digest_thread``), which resolves and digests
-it while Mooncake moves the bytes (its transfers release the GIL) and during the next chunk; the
-send hooks only hand it sglang's descriptor lists and the draft's page lists. A room's last
-chunk is digested inline, by the threads that send it and at its status: the prefill frees the
-request's pages once the status is out, so the digest must have read them by then, and nothing
-after it could hide the work. Before the status the worker also waits (bounded) for what the
-thread still has of the room's earlier chunks (``benchmark/gpu/results``: the cost).
+Where the work runs (one :class:`_Pending` per chunk, made by :func:`begin_chunk`): on a thread
+of its own (``kv_digest_thread``), which resolves and digests a chunk while Mooncake moves its
+bytes (its transfers release the GIL); the send hooks only hand it sglang's descriptor lists and
+the draft's page lists. A middle chunk is digested in one engine call once the worker is done
+with it, during the next chunk's transfers. A room's last chunk must be read before its status
+goes out (the prefill frees the request's pages after it) and nothing after it hides the work:
+each of its transfers of at least ``EAGER_DIGEST_MIN_BYTES`` also has the thread digest what is
+queued so far, so at the status the worker waits (bounded) only for the chunk's tail, its last
+decode rank's draft and state blocks (``benchmark/gpu/results``: the cost).
 
 Hooks (``sglang/srt/disaggregation/``):
 
@@ -73,6 +74,9 @@ _scope = threading.local()
 # A transfer shorter than a job of the digest thread is no window for it: a worker that wakes
 # while the thread holds the GIL waits for the job (a state slice, a few KB, is ~1 us of link).
 WINDOW_MIN_BYTES = 1 << 20
+# A last chunk's transfer this long (0.34 ms at 50 GB/s) hides an engine call (~0.1-0.3 ms of
+# host and GPU time on an H200 host): the thread digests what is queued during it.
+EAGER_DIGEST_MIN_BYTES = 16 << 20
 
 
 class SendDigest:
@@ -144,22 +148,24 @@ def _fail(manager, room: int, session: str, error: BaseException) -> None:
 
 
 class _Pending:
-    """One chunk's blocks not digested yet, and the sums it already digested. A middle chunk's
-    are queued and digested on the digest thread, during the chunk's transfers and the next
-    chunk's; a room's last chunk is digested inline, by the threads that send it and at its
-    status, as nothing after it can hide the work (``benchmark/gpu/results``: the hand-off and
-    the final wait cost more than they hide there)."""
+    """One chunk's blocks not digested yet, and the sums it already digested. Its jobs run on
+    the digest thread, in order; ``last``: a room's last chunk, digested in several engine calls
+    during its own transfers (:func:`batch_transfer_sync_around`), the rest at its status.
+    ``inline``: the synchronous design, the chunk resolved and digested by the threads that send
+    it (the benchmark's comparison; nothing in serving sets it)."""
 
-    def __init__(self, inline: bool = False):
-        self.inline = inline
+    def __init__(self, last: bool = False):
+        self.last = last
+        self.inline = False
         self.manager = None
         self.parts: List[Tuple[int, str, object, Blocks]] = []  # room, session, registration
         self.written: Tuple = ()
         # This chunk's sums per (blocks, tables) signature: a prefill rank sends the same target
         # MLA KV, at the same offsets, to each of its decode ranks, and a draft head to each rank
-        # that holds it; whichever digest sees such a part first, the others reuse its sums.
+        # that holds it; whichever digest sees such a part first, the others reuse its sums
+        # (also across the engine calls of one last chunk).
         self.known: Dict[Tuple, np.ndarray] = {}
-        self._lock = threading.Lock()  # inline: sglang's executor threads queue here too
+        self._lock = threading.Lock()  # sglang's executor threads queue here too
 
     def queue(self, manager, room: int, session: str, registration, blocks: Blocks, written):
         with self._lock:
@@ -177,7 +183,7 @@ class _Pending:
         return taken
 
     def run(self, manager, fn, *args) -> None:
-        """``fn(*args)``, here on a last chunk, else on the digest thread."""
+        """``fn(*args)`` on the digest thread (here, in the synchronous design)."""
         if self.inline:
             fn(*args)
         else:
@@ -274,8 +280,8 @@ def _digest_pending(pending: _Pending) -> None:
 
 
 def flush(manager) -> bool:
-    """Add every block this worker sent so far to its rooms' sums (this chunk's here if it is
-    a last chunk, then the digest thread's queue, earlier chunks included); False (and every
+    """Add every block this worker sent so far to its rooms' sums: the rest of this chunk and
+    whatever the digest thread still has queued (earlier chunks included); False (and every
     room this worker has open failed) if the thread did not finish in time."""
     digest = digest_of(manager)
     if digest is None:
@@ -283,8 +289,6 @@ def flush(manager) -> bool:
     pending = _pending()
     if pending.inline:
         _digest_pending(pending)
-        if digest.thread.idle:  # the room's earlier chunks are digested already
-            return True
     else:
         digest.thread.submit(_digest_pending, pending)
     if digest.thread.wait(_wait_bound_s()):
@@ -309,8 +313,7 @@ def end_chunk(manager) -> None:
     p = getattr(_scope, "pending", None)
     _scope.pending = None
     digest = digest_of(manager)
-    # (an inline chunk's parts were digested at its status; any left: a chunk that ended early)
-    if p is not None and digest is not None and (not p.inline or p.parts):
+    if p is not None and digest is not None:  # a flushed chunk's: nothing left, a no-op job
         digest.thread.submit(_digest_pending, p)
     _aux().clear()
 
@@ -398,7 +401,11 @@ def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_
         current.add(buffers, peer_buffer_addresses, lengths)
     manager = current.manager if current is not None else transfer_chunk.chunk_manager()
     digest = digest_of(manager) if manager is not None else None
-    if digest is not None and sum(lengths) >= WINDOW_MIN_BYTES:
+    nbytes = sum(lengths) if digest is not None else 0
+    if nbytes >= WINDOW_MIN_BYTES:
+        pending = current.pending if current is not None else getattr(_scope, "pending", None)
+        if pending is not None and pending.last and nbytes >= EAGER_DIGEST_MIN_BYTES:
+            digest.thread.submit(_digest_pending, pending)  # what is queued, during this one
         digest.thread.wake()  # the GIL is free while Mooncake moves the bytes
     return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
 
@@ -439,12 +446,12 @@ def _send_contribution(manager, contribution: Contribution, req) -> None:
 
 
 def begin_chunk(manager, chunk) -> None:
-    """A worker takes ``chunk``: its blocks get a :class:`_Pending` of their own (digested
-    inline on a room's last chunk); sums of a room that already failed are dropped."""
+    """A worker takes ``chunk``: its blocks get a :class:`_Pending` of their own; sums of a room
+    that already failed are dropped."""
     digest = digest_of(manager)
     if digest is None or chunk is None:
         return
-    _scope.pending = _Pending(inline=bool(getattr(chunk, "is_last_chunk", False)))
+    _scope.pending = _Pending(last=bool(getattr(chunk, "is_last_chunk", False)))
     statuses = getattr(manager, "request_status", None)
     if statuses is None:
         return
