@@ -309,9 +309,11 @@ def test_a_room_sums_its_middle_chunks_and_its_last_chunk_on_the_thread():
 def test_a_last_chunk_is_digested_during_its_own_long_transfers_and_read_before_its_status(
     monkeypatch,
 ):
-    """On a room's last chunk, a transfer of at least EAGER_DIGEST_MIN_BYTES has the digest
-    thread digest what is queued while it runs (here: the decode rank's own blocks, during its
-    transfer), so the status waits only for the tail; every block is read before the status."""
+    """On a room's last chunk, the first transfer of at least EAGER_DIGEST_MIN_BYTES to a decode
+    rank has the digest thread digest, while it runs, what the ranks sent before handed over
+    (and what is queued of this one), so the status waits only for the tail; a short transfer,
+    or one to the first rank, only lets the thread resolve; every block is read before the
+    status."""
     import threading
 
     import numpy as np
@@ -366,10 +368,10 @@ def test_a_last_chunk_is_digested_during_its_own_long_transfers_and_read_before_
                 lambda *a, **k: at_status.append((thread.idle, sum(digested))), manager, aux)
     finally:
         mooncake_draft_kv.end_chunk()
-    # each rank's long transfer digested that rank's 768 bytes while it ran; its short one only
-    # resolved (the window too short for an engine call); the tail at the status
-    assert during == {"d0": [768], "d1": [768, 256 + 768]}
-    assert digested == [768, 256 + 768, 256]
+    # d1's long transfer digested d0's 1024 bytes and its own first 768 while it ran; the rest
+    # (d1's short transfer's 256) at the status
+    assert during == {"d0": [], "d1": [1024 + 768]}
+    assert digested == [1024 + 768, 256]
     # sglang's status follows the room's last aux: by then every byte was read (the first aux
     # goes out before the worker waits for the thread)
     assert at_status[-1] == (True, 2048) and len(at_status) == 2

@@ -15,9 +15,10 @@ bytes (its transfers release the GIL); the send hooks only hand it sglang's desc
 the draft's page lists. A middle chunk is digested in one engine call once the worker is done
 with it, during the next chunk's transfers. A room's last chunk must be read before its status
 goes out (the prefill frees the request's pages after it) and nothing after it hides the work:
-each of its transfers of at least ``EAGER_DIGEST_MIN_BYTES`` also has the thread digest what is
-queued so far, so at the status the worker waits (bounded) only for the chunk's tail, its last
-decode rank's draft and state blocks (``benchmark/gpu/results``: the cost).
+the first transfer of at least ``EAGER_DIGEST_MIN_BYTES`` to each of its decode ranks also has the
+thread digest the blocks of the ranks sent before (one engine call per decode rank, each hidden
+by a transfer), so at the status the worker waits (bounded) only for the chunk's tail, its last
+decode rank's blocks (``benchmark/gpu/results``: the cost).
 
 Hooks (``sglang/srt/disaggregation/``):
 
@@ -157,6 +158,8 @@ class _Pending:
     def __init__(self, last: bool = False):
         self.last = last
         self.inline = False
+        # decode sessions whose blocks were handed over since the last digest during a transfer
+        self.handed: set = set()
         self.manager = None
         self.parts: List[Tuple[int, str, object, Blocks]] = []  # room, session, registration
         self.written: Tuple = ()
@@ -182,8 +185,10 @@ class _Pending:
             self.manager, self.written = None, ()
         return taken
 
-    def run(self, manager, fn, *args) -> None:
-        """``fn(*args)`` on the digest thread (here, in the synchronous design)."""
+    def run(self, manager, session: str, fn, *args) -> None:
+        """``fn(*args)`` on the digest thread (here, in the synchronous design), for blocks of
+        ``session``."""
+        self.handed.add(session)
         if self.inline:
             fn(*args)
         else:
@@ -213,8 +218,8 @@ def add_blocks(manager, room: Optional[int], session: str, registration, blocks)
     if digest_of(manager) is None or room is None:
         return
     pending = _pending()
-    pending.run(manager, _queue_job, pending, manager, int(room), session, registration, blocks,
-                transfer_chunk.written())  # fmt: skip
+    pending.run(manager, session, _queue_job, pending, manager, int(room), session, registration,
+                blocks, transfer_chunk.written())  # fmt: skip
 
 
 def _queue_job(pending, manager, room, session, registration, blocks, written) -> None:
@@ -331,8 +336,8 @@ class _Scope:
     def add(self, src, dst, length) -> None:
         """sglang's descriptor lists of one ``batch_transfer_sync`` (fresh lists per call in
         0.5.23, kept by reference), resolved on the digest thread while they are sent."""
-        self.pending.run(self.manager, _resolve_job, self.pending, self.manager, self.room,
-                         self.session, self.registration, self.kind, src, dst, length,
+        self.pending.run(self.manager, self.session, _resolve_job, self.pending, self.manager,
+                         self.room, self.session, self.registration, self.kind, src, dst, length,
                          self.written)  # fmt: skip
 
 
@@ -404,8 +409,15 @@ def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_
     nbytes = sum(lengths) if digest is not None else 0
     if nbytes >= WINDOW_MIN_BYTES:
         pending = current.pending if current is not None else getattr(_scope, "pending", None)
-        if pending is not None and pending.last and nbytes >= EAGER_DIGEST_MIN_BYTES:
-            digest.thread.submit(_digest_pending, pending)  # what is queued, during this one
+        if (
+            pending is not None
+            and pending.last
+            and nbytes >= EAGER_DIGEST_MIN_BYTES
+            and pending.handed - {session_id}
+        ):
+            # the blocks of the decode ranks sent before this one, digested during its transfer
+            pending.handed.clear()
+            digest.thread.submit(_digest_pending, pending)
         digest.thread.wake()  # the GIL is free while Mooncake moves the bytes
     return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
 
