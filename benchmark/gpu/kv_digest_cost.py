@@ -390,6 +390,17 @@ def _moving(link_bps):
     return moved
 
 
+class _EveryRoom(dict):
+    """``transfer_infos`` for rooms made on the fly: each room's decode requests are ``infos``."""
+
+    def __init__(self, infos):
+        super().__init__()
+        self._infos = infos
+
+    def get(self, room, default=None):
+        return self._infos
+
+
 class SendPath:
     """One prefill rank's composed-digest send state as the hooks see it: the manager (a
     ``SimpleNamespace`` with what ``kv_digest_send`` and the draft send read), its 8 decode
@@ -432,6 +443,9 @@ class SendPath:
             self.sends[r] = mdk.DraftSend.of(self.manager, draft_verdict(g, r), reg.dst_kv_ptrs)
             self.mla[r] = mla_descriptors(g, mla_bases, reg.dst_kv_ptrs, *pages[:2])
             self.state[r] = state_descriptors(g, r, state_src, reg.dst_state_data_ptrs[0], slice_fn)
+        # sglang's transfer_infos: every room goes to the 8 decode ranks (begin_chunk counts them)
+        self.manager.transfer_infos = _EveryRoom(
+            {s: SimpleNamespace(is_dummy=False) for s in self.sessions.values()})
         self.rooms = itertools.count(1000)
         self.popped = {}
         # The same rank with the digest off (what every hook sees when the flag is not given).

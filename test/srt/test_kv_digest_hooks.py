@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import types
 
+import pytest
+
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from sglang_dflash_pp.srt.disaggregation import kv_digest_send, kv_digest_verify
@@ -306,8 +308,9 @@ def test_a_room_sums_its_middle_chunks_and_its_last_chunk_on_the_thread():
     assert decode(sent[0]).sums == {(1, 0): int(want[0])}
 
 
+@pytest.mark.parametrize("known_ranks", [False, True])
 def test_a_last_chunk_is_digested_during_its_own_long_transfers_and_read_before_its_status(
-    monkeypatch,
+    monkeypatch, known_ranks
 ):
     """On a room's last chunk, the first transfer of at least EAGER_DIGEST_MIN_BYTES to a decode
     rank has the digest thread digest, while it runs, what the ranks sent before handed over
@@ -337,6 +340,9 @@ def test_a_last_chunk_is_digested_during_its_own_long_transfers_and_read_before_
     failures, sent = [], []
     regs, manager = _chunk_manager(CountingEngine("cpu"), failures, sent)
     regs["d1"] = types.SimpleNamespace(dst_kv_ptrs=[1 << 41], dst_state_data_ptrs=[])
+    if known_ranks:  # sglang's transfer_infos of the room: two decode ranks and a dummy
+        manager.transfer_infos = {11: {s: types.SimpleNamespace(is_dummy=s == "x")
+                                       for s in ("d0", "d1", "x")}}  # fmt: skip
     thread = manager._dflash_kv_digest.thread
     during = {}
 
@@ -380,3 +386,30 @@ def test_a_last_chunk_is_digested_during_its_own_long_transfers_and_read_before_
     for i, frames in enumerate(sent):
         want = digest_blocks_host(Blocks.of([base + 1024 * i], [0], 1024, 0), keys)
         assert decode(frames).sums == {(1, 0): int(want[0])}
+
+
+def test_a_last_chunk_hides_few_engine_calls_in_its_long_transfers():
+    """Which long transfer of a last chunk also has the thread digest what is queued: with the
+    room's decode ranks known, once, at the last rank's first (the ranks before it, in one
+    call); for one decode rank, at its second; not known, at each new rank's first; never on a
+    middle chunk (its digest runs after it) or in the synchronous design."""
+    P = kv_digest_send._Pending
+
+    def fired(p, sends):
+        out = []
+        for s in sends:  # each a long transfer to session s, its blocks handed just before
+            before = set(p.handed)
+            p.handed.add(s)
+            if p.digest_during(s, before):
+                p.handed.clear()
+                out.append(s)
+        return out
+
+    sends = [r for r in ("a", "b", "c") for _ in range(2)]  # two long transfers per rank
+    assert fired(P(last=True, ranks=3), sends) == ["c"]
+    assert fired(P(last=True, ranks=1), ["a", "a", "a"]) == ["a"]
+    assert fired(P(last=True, ranks=0), sends) == ["b", "c"]
+    assert fired(P(last=False, ranks=3), sends) == []
+    inline = P(last=True, ranks=3)
+    inline.inline = True
+    assert fired(inline, sends) == []

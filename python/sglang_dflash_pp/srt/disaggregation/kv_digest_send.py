@@ -15,10 +15,11 @@ bytes (its transfers release the GIL); the send hooks only hand it sglang's desc
 the draft's page lists. A middle chunk is digested in one engine call once the worker is done
 with it, during the next chunk's transfers. A room's last chunk must be read before its status
 goes out (the prefill frees the request's pages after it) and nothing after it hides the work:
-the first transfer of at least ``EAGER_DIGEST_MIN_BYTES`` to each of its decode ranks also has the
-thread digest the blocks of the ranks sent before (one engine call per decode rank, each hidden
-by a transfer), so at the status the worker waits (bounded) only for the chunk's tail, its last
-decode rank's blocks (``benchmark/gpu/results``: the cost).
+the first transfer of at least ``EAGER_DIGEST_MIN_BYTES`` to its last decode rank also has the
+thread digest the blocks of the ranks sent before (one engine call, hidden by that transfer:
+engine calls are few and large, as each costs ~0.2 ms of thread time), so at the status the
+worker waits (bounded) only for the chunk's tail, its last decode rank's blocks
+(``benchmark/gpu/results``: the cost; :meth:`_Pending.digest_during`).
 
 Hooks (``sglang/srt/disaggregation/``):
 
@@ -155,8 +156,9 @@ class _Pending:
     ``inline``: the synchronous design, the chunk resolved and digested by the threads that send
     it (the benchmark's comparison; nothing in serving sets it)."""
 
-    def __init__(self, last: bool = False):
+    def __init__(self, last: bool = False, ranks: int = 0):
         self.last = last
+        self.ranks = ranks  # decode ranks the chunk goes to (0: not known)
         self.inline = False
         # decode sessions whose blocks were handed over since the last digest during a transfer
         self.handed: set = set()
@@ -184,6 +186,21 @@ class _Pending:
             taken = (parts, self.manager, self.written)
             self.manager, self.written = None, ()
         return taken
+
+    def digest_during(self, session: str, handed_before: set) -> bool:
+        """Whether a long transfer to ``session`` should hide an engine call over what is
+        queued: on a last chunk, once every other decode rank's blocks were handed over (the
+        last rank's first long transfer: one call for the ranks before it, the rest at the
+        status), or, for a single decode rank, at its second long transfer; with the ranks not
+        known, at the first long transfer to each new rank."""
+        if not self.last or self.inline:
+            return False
+        others = len(handed_before - {session})
+        if self.ranks > 1:
+            return others >= self.ranks - 1
+        if self.ranks == 1:
+            return session in handed_before
+        return others >= 1
 
     def run(self, manager, session: str, fn, *args) -> None:
         """``fn(*args)`` on the digest thread (here, in the synchronous design), for blocks of
@@ -397,6 +414,8 @@ class scope:
 def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_addresses,
                                lengths, *args, **kwargs):  # fmt: skip
     current = getattr(_scope, "value", None)
+    pending = current.pending if current is not None else getattr(_scope, "pending", None)
+    handed_before = set(pending.handed) if pending is not None and pending.last else set()
     if (
         current is not None
         and getattr(current.manager, "engine", None) is self
@@ -408,15 +427,12 @@ def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_
     digest = digest_of(manager) if manager is not None else None
     nbytes = sum(lengths) if digest is not None else 0
     if nbytes >= WINDOW_MIN_BYTES:
-        pending = current.pending if current is not None else getattr(_scope, "pending", None)
         if (
             pending is not None
-            and pending.last
             and nbytes >= EAGER_DIGEST_MIN_BYTES
-            and pending.handed - {session_id}
+            and pending.digest_during(session_id, handed_before)
         ):
-            # the blocks of the decode ranks sent before this one, digested during its transfer
-            pending.handed.clear()
+            pending.handed.clear()  # what is queued, digested during this transfer
             digest.thread.submit(_digest_pending, pending)
         digest.thread.wake()  # the GIL is free while Mooncake moves the bytes
     return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
@@ -463,7 +479,9 @@ def begin_chunk(manager, chunk) -> None:
     digest = digest_of(manager)
     if digest is None or chunk is None:
         return
-    _scope.pending = _Pending(last=bool(getattr(chunk, "is_last_chunk", False)))
+    infos = (getattr(manager, "transfer_infos", None) or {}).get(chunk.room) or {}
+    ranks = sum(1 for r in infos.values() if not getattr(r, "is_dummy", False))
+    _scope.pending = _Pending(last=bool(getattr(chunk, "is_last_chunk", False)), ranks=ranks)
     statuses = getattr(manager, "request_status", None)
     if statuses is None:
         return
