@@ -413,3 +413,20 @@ def test_a_last_chunk_hides_few_engine_calls_in_its_long_transfers():
     inline = P(last=True, ranks=3)
     inline.inline = True
     assert fired(inline, sends) == []
+
+
+def test_begin_chunk_counts_the_rooms_decode_ranks_from_sglangs_transfer_infos():
+    """The ranks a last chunk's eager digest waits for are the room's non-dummy decode
+    requests in ``MooncakeKVManager.transfer_infos`` (0 when the room has none there)."""
+    from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
+
+    failures, sent = [], []
+    _, manager = _chunk_manager(DigestEngine("cpu"), failures, sent)
+    manager.transfer_infos = {4: {s: types.SimpleNamespace(is_dummy=s == "x")
+                                  for s in ("a", "b", "c", "x")}}  # fmt: skip
+    try:
+        for room, want in ((4, 3), (5, 0)):
+            kv_digest_send.begin_chunk(manager, types.SimpleNamespace(room=room, is_last_chunk=True))
+            assert kv_digest_send._pending().ranks == want and kv_digest_send._pending().last
+    finally:
+        kv_digest_send.end_chunk(manager)

@@ -479,7 +479,8 @@ def begin_chunk(manager, chunk) -> None:
     digest = digest_of(manager)
     if digest is None or chunk is None:
         return
-    infos = (getattr(manager, "transfer_infos", None) or {}).get(chunk.room) or {}
+    table = getattr(manager, "transfer_infos", None)
+    infos = (table.get(chunk.room) if table is not None else None) or {}
     ranks = sum(1 for r in infos.values() if not getattr(r, "is_dummy", False))
     _scope.pending = _Pending(last=bool(getattr(chunk, "is_last_chunk", False)), ranks=ranks)
     statuses = getattr(manager, "request_status", None)
