@@ -374,10 +374,18 @@ def _moved(engine, session_id, buffers, peer_buffer_addresses, lengths, *args, *
     return 0
 
 
+TRANSFERS = None  # a list: each emulated transfer's (requested s, start, end) is appended
+
+
 def _over_link(nbytes, link_bps):
     """The time Mooncake's ``batch_transfer_sync`` holds the worker for ``nbytes`` at the
     link's rate, with the GIL released as Mooncake releases it (``time.sleep``)."""
+    if TRANSFERS is None:
+        time.sleep(nbytes / link_bps)
+        return
+    t0 = time.perf_counter()
     time.sleep(nbytes / link_bps)
+    TRANSFERS.append((nbytes / link_bps, t0, time.perf_counter()))  # end: the GIL taken back
 
 
 def _moving(link_bps):
@@ -880,6 +888,64 @@ def run(args):
     results["shipped_flush_breakdown_middle_chunk"] = flush_breakdown(False)
     results["shipped_flush_breakdown_last_chunk"] = flush_breakdown(True)
 
+    # Where a last chunk's exposed time goes over the link, a separate pass (its own loop; the
+    # timing wrappers add a little to every variant): the worker's wait at the status (the
+    # tail), its time outside the transfers (the hooks' hand-offs, and the GIL when the thread
+    # holds it), how much later than requested its transfers returned (the GIL taken back), and
+    # the digest thread's time per job kind and in engine calls.
+    def over_link_breakdown(mode):
+        global TRANSFERS
+        thread = sp.manager._dflash_kv_digest.thread
+        engine = sp.engine
+        real_timed, real_digest = thread._timed, engine.digest
+        jobs, engine_calls = {}, []
+
+        def timed_job(fn, *a):
+            t0 = time.perf_counter()
+            real_timed(fn, *a)
+            name = getattr(fn, "__name__", "?")
+            jobs[name] = jobs.get(name, 0.0) + time.perf_counter() - t0
+
+        def counted(blocks, k, wait_events=()):
+            t0 = time.perf_counter()
+            out = real_digest(blocks, k, wait_events=wait_events)
+            engine_calls.append(time.perf_counter() - t0)
+            return out
+
+        thread._timed, engine.digest = timed_job, counted
+        samples = []
+        try:
+            for i in range(args.warmup + args.reps):
+                TRANSFERS, jobs_before = [], dict(jobs)
+                engine_calls.clear()
+                e = kv_written()
+                r = next(sp.rooms)
+                t0 = time.perf_counter()
+                t_flush = sp.chunk(r, e, True, link_bps=LINK_BPS, digest=mode != "off",
+                                   inline=mode == "all_inline")  # fmt: skip
+                t1 = time.perf_counter()
+                moved = TRANSFERS
+                TRANSFERS = None
+                sp.drain()
+                if mode != "off":
+                    sp.pop(r)
+                if i >= args.warmup:
+                    in_transfers = sum(b - a for _, a, b in moved)
+                    samples.append(dict(
+                        wall=t1 - t0, flush_wait=t1 - t_flush,
+                        worker_outside_transfers=(t_flush - t0) - in_transfers,
+                        transfers_late=sum((b - a) - want for want, a, b in moved),
+                        engine_calls=len(engine_calls), engine_s=sum(engine_calls),
+                        **{f"thread_{k}": v - jobs_before.get(k, 0.0) for k, v in jobs.items()}))
+        finally:
+            TRANSFERS = None
+            thread._timed, engine.digest = real_timed, real_digest
+        keys = sorted({k for s_ in samples for k in s_})
+        return {k: summary([s_.get(k, 0.0) for s_ in samples]) for k in keys}
+
+    results["over_link_last_chunk_breakdown"] = {
+        m: over_link_breakdown(m) for m in ("shipped", "all_inline", "off")}
+
     # Where a direct chunk call's time goes: DeviceDigest's own marks (host clock and an event on
     # its stream at each step), relative to the call's start.
     def call_steps():
@@ -1343,6 +1409,28 @@ def section(r, name="kv_digest_cost.json"):
     if "over_link_middle_chunk_exposed" in res:
         out += ["", f"Goal < {100 * GOAL:.0f}% of the link time, as the time the digest adds to the "
                 f"chunk's sends (shipped): middle chunk {verdict('middle')}, last chunk {verdict('last')}."]
+    bd = res.get("over_link_last_chunk_breakdown")
+    if bd:
+        med = lambda m, k: bd[m].get(k, {"median": 0.0})["median"] * 1e6  # noqa: E731
+        names = {"shipped": "shipped", "all_inline": "inline at the status (previous design)",
+                 "off": "digest off"}  # fmt: skip
+        out += ["", "Where a last chunk's time goes over the link (a separate pass with timing "
+                "wrappers; medians in µs): the worker's wait at the status; its time outside the "
+                "transfers (the hooks' hand-offs, and the GIL while the digest thread holds it); how "
+                "much later than requested its transfers returned (summed: the GIL taken back); the "
+                "digest thread's time per job kind; its engine calls.", "",
+                "| last chunk | wall | wait at the status | worker outside transfers | transfers late | "
+                "thread: resolve / queue / digest jobs | engine calls (time) |",
+                "|---|---|---|---|---|---|---|"]
+        for m in ("shipped", "all_inline", "off"):
+            if m not in bd:
+                continue
+            out.append(
+                f"| {names[m]} | {med(m, 'wall'):.0f} | {med(m, 'flush_wait'):.0f} | "
+                f"{med(m, 'worker_outside_transfers'):.0f} | {med(m, 'transfers_late'):.0f} | "
+                f"{med(m, 'thread__resolve_job'):.0f} / {med(m, 'thread__queue_job'):.0f} / "
+                f"{med(m, 'thread__digest_pending'):.0f} | {bd[m]['engine_calls']['median']:.0f} "
+                f"({med(m, 'engine_s'):.0f}) |")  # fmt: skip
     prev = r.get("previous_run")
     if prev:
         pp = prev["provenance"]
