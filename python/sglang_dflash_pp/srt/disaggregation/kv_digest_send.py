@@ -34,8 +34,8 @@ Hooks (``sglang/srt/disaggregation/``):
   call it directly, e.g. ``send_kvcache_slice``): inside a digest scope (a stock send
   ``mooncake_draft_kv`` makes for one decode rank, or the state send below), the descriptors
   sglang built are digested on their way to the engine, their destinations resolved against the
-  decode's registered buffers; a transfer of at least ``WINDOW_MIN_BYTES`` is a window for the
-  digest thread (``DigestThread.window``): the worker's GIL-free wait.
+  decode's registered buffers; a transfer of at least ``WINDOW_MIN_BYTES`` wakes the digest
+  thread for the worker's GIL-free wait.
 * AROUND ``MooncakeKVManager.maybe_send_extra``: the room's state send, in a scope.
 * AROUND ``MooncakeKVManager.send_aux``: the decode rank's contribution, then the aux data.
 
@@ -434,9 +434,7 @@ def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_
         ):
             pending.handed.clear()  # what is queued, digested during this transfer
             digest.thread.submit(_digest_pending, pending)
-        with digest.thread.window():  # the GIL is free while Mooncake moves the bytes
-            return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args,
-                            **kwargs)  # fmt: skip
+        digest.thread.wake()  # the GIL is free while Mooncake moves the bytes
     return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
 
 

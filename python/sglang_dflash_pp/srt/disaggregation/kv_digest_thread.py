@@ -8,13 +8,12 @@ verifies, instead of before them on the worker: the worker only hands over refer
 (:meth:`DigestThread.wait`), for what the thread has not finished yet. Jobs run in submission
 order, so a room's sums are complete when every job submitted before that wait has run.
 
-The thread runs only inside such windows: a worker opens one around a transfer it enters
-(:meth:`DigestThread.window`, which also wakes the thread) and around its wait for the thread
-(:meth:`DigestThread.wait`); between jobs the thread checks that a window is still open and
-otherwise stops until the next. A worker back from its transfer therefore waits for the GIL at
-most for the job the thread is in, not for everything queued (CPython hands the GIL over only
-when its holder blocks, or after ``sys.getswitchinterval()``, 5 ms). With no window for
-``IDLE_S`` it runs anyway (the workers are idle then too).
+The thread is woken only when a worker enters a transfer with jobs queued
+(:meth:`DigestThread.wake`) or waits for it, and then runs every queued job: each
+wake-up hands the GIL over twice, and a worker that wakes from a transfer while this thread
+holds the GIL waits for it, so the thread runs in few, long stretches inside the workers'
+GIL-free waits, not once per job. With no such wake-up for ``IDLE_S`` it runs anyway (the
+workers are idle then too).
 
 Started at startup, a daemon; it never touches the GPU itself except through what its jobs do.
 No sglang import.
@@ -38,7 +37,6 @@ class DigestThread:
     def __init__(self, name: str):
         self._jobs: Deque[Tuple[Callable, tuple]] = collections.deque()  # append/popleft: atomic
         self._wake = threading.Event()
-        self._open: list = []  # one item per open window (list append/pop: atomic)
         self._busy = False
         self.busy_s = 0.0  # time spent in jobs (the benchmark reads it)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -55,20 +53,11 @@ class DigestThread:
         thread stuck or gone: the caller fails the rooms it waited for, never hangs)."""
         done = threading.Event()
         self._jobs.append((done.set, ()))
-        self._open.append(None)  # this worker holds no GIL while it waits
-        try:
-            self._wake.set()
-            return done.wait(timeout_s)
-        finally:
-            self._open.pop()
-
-    def window(self) -> "_Window":
-        """``with thread.window(): <a call that releases the GIL>``: the thread may run queued
-        jobs while it lasts."""
-        return _Window(self)
+        self.wake()  # this worker holds no GIL while it waits
+        return done.wait(timeout_s)
 
     def wake(self) -> None:
-        """Run what is queued, if a window is open."""
+        """A worker is about to wait without the GIL (a transfer): run what is queued."""
         if self._jobs:
             self._wake.set()
 
@@ -83,10 +72,10 @@ class DigestThread:
 
     def _run(self) -> None:
         while True:
-            idle = not self._wake.wait(IDLE_S)  # no window for IDLE_S: the workers are idle
+            self._wake.wait(IDLE_S)
             self._wake.clear()
             self._busy = True
-            while self._jobs and (idle or self._open):
+            while self._jobs:
                 fn, args = self._jobs.popleft()
                 self._timed(fn, *args)
             self._busy = False
@@ -98,18 +87,3 @@ class DigestThread:
         except BaseException:  # a job's own failure path has run; keep serving the rest
             logger.exception("KV digest job %r failed", getattr(fn, "__name__", fn))
         self.busy_s += time.perf_counter() - t0
-
-
-class _Window:
-    __slots__ = ("_thread",)
-
-    def __init__(self, thread: DigestThread):
-        self._thread = thread
-
-    def __enter__(self):
-        self._thread._open.append(None)
-        self._thread.wake()
-
-    def __exit__(self, *exc):
-        self._thread._open.pop()
-        return False
