@@ -1286,6 +1286,17 @@ TRIED = (
     "measured in one stretch: 434 / 224, and right after a machine start 494 (371-630) / 218, its "
     "first samples slow: hence 100 repetitions after 30, the variants in turn."
 )
+# ... and on the way to the shipped last-chunk schedule (send side, over the emulated link).
+TRIED_SCHEDULE = (
+    "Tried for the last chunk's schedule (send side, over the link): an engine call hidden by every "
+    "long transfer (commit 6cae7f9: up to 16 engine calls per last chunk where the shipped schedule "
+    "makes 2; superseded, its run not kept), and the digest thread held to the workers' GIL-free "
+    "windows, stopping "
+    "between jobs when none is open (commit 6bd2cc4, reverted: its run, "
+    "[`kv_digest_cost_thread_windows_6bd2cc4.json`](kv_digest_cost_thread_windows_6bd2cc4.json), gave "
+    "the last chunk +1480 us = 14.4% against 31.0% inline in the same run, the ratio this run gives "
+    "without it)."
+)
 
 
 def section(r, name="kv_digest_cost.json"):
@@ -1491,7 +1502,7 @@ def section(r, name="kv_digest_cost.json"):
             f"Checked against sglang {x['sglang']} itself (`--check-sglang`, {x['date_utc']}, CPU): "
             + "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in x["checks"].items()) + ".",
         ]
-    out += ["", TRIED, ""]
+    out += ["", TRIED, "", TRIED_SCHEDULE, ""]
     return out
 
 
