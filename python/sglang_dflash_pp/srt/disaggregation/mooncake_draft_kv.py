@@ -530,7 +530,7 @@ def _send_draft_entries(self, send: DraftSend, session, src_pages, dst_pages) ->
             send.check_pages(src_pages)  # the digest reads the pool at these pages
             memo[checked] = True
         registration = self.decode_kv_args_table.get(session)
-        memo = transfer_chunk.memo()  # built on the digest thread, shared by the chunk's sends
+        # the blocks are built on the digest thread, from the memo the chunk's sends share
         kv_digest_send.add_blocks(self, _current_room(self), session, registration,
                                   lambda: _digest_blocks(send, src_pages, dst_pages, memo))  # fmt: skip
     staging = send.staging
