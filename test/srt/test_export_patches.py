@@ -989,6 +989,29 @@ for q, ((total, dim, layers), (_, img), rb) in enumerate(zip(specs, images, row_
     if not np.array_equal(img.reshape(ROWS, rb), want):
         wrong.append(q)
 out["wrong_entries"], out["stray_writes"] = wrong, len(stray)
+
+# A local failure of the draft send (a prefill page id past the pool) fails that room, not the
+# decode's session: transfer_worker passes the room, and the send returns 0 without sending
+# the rest of the room.
+from sglang.srt.disaggregation.base.conn import KVPoll
+failures = []
+def conclude_failure(**kw):
+    failures.append(kw)
+    m.request_status[kw["bootstrap_room"]] = KVPoll.Failed
+m.conclude_failure, m.request_status[7] = conclude_failure, KVPoll.Transferring
+moved = len(stray), [img.copy() for _, img in images]
+with concurrent.futures.ThreadPoolExecutor(2) as ex:
+    ret = m.send_kvcache_slice(
+        reg.mooncake_session_id, np.asarray([1, 999, 5], np.int32), reg.dst_kv_ptrs,
+        np.asarray(DST, np.int32), D_RANK, D_TP, reg.dst_kv_item_len, ex, reg.dst_kv_layer_ids,
+        room=7)
+out["local_failure"] = {
+    "ret": ret, "rooms": [f["bootstrap_room"] for f in failures],
+    "reason": failures[0]["failure_reason"] if failures else None,
+    "status_failed": m.request_status[7] == KVPoll.Failed,
+    "failed_sessions": sorted(m.failed_sessions), "session_failures": dict(m.session_failures),
+    "nothing_sent": len(stray) == moved[0] and all(
+        np.array_equal(img, before) for (_, img), before in zip(images, moved[1]))}
 print("RESULT " + json.dumps(out))
 """
 
@@ -1011,5 +1034,11 @@ def test_pr_7_slices_the_draft_by_its_own_plan_for_a_plain_mha_target(exported):
     finally:
         if applied:
             git(exported.tree, "checkout", "-q", "--", ".")
+    local = res.pop("local_failure")
     assert res == {"refused": None, "plan": "HEAD_AWARE", "ret": 0, "wrong_entries": [],
                    "stray_writes": 0}, res
+    # rule 10 in-tree: the room fails with the reason, the healthy decode is not blacklisted
+    assert local["ret"] == 0 and local["rooms"] == [7] and local["status_failed"], local
+    assert "room 7 to decode d4:1" in local["reason"] and "999" in local["reason"], local
+    assert local["failed_sessions"] == [] and local["session_failures"] == {}, local
+    assert local["nothing_sent"], local

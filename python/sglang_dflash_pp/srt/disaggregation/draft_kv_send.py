@@ -174,12 +174,13 @@ def draft_dst_pages(dst_kv_indices, dst_device_kv_indices):
 
 
 def send_draft_entries(
-    manager, send: DraftSend, session: str, dst_kv_ptrs, src_pages, dst_pages
+    manager, send: DraftSend, session: str, dst_kv_ptrs, src_pages, dst_pages, room=None
 ) -> int:
-    """Send this rank's draft entries to one decode rank (none for TARGET_ONLY): 0, or a failure
-    code, never an exception (one would end the transfer worker thread, and the prefill with
-    it). A failure of this rank's own work (a page id out of range, a decode that re-registered
-    other buffers since the verdict) fails the send as a transfer failure does."""
+    """Send this rank's draft entries to one decode rank (none for TARGET_ONLY): 0, or the
+    transfer engine's failure code, never an exception (one would end the transfer worker
+    thread, and the prefill with it). A failure of this rank's own work (a page id out of
+    range, a decode that re-registered other buffers since the verdict) is no sign that the
+    decode is dead: it fails ``room`` (:func:`fail_room`), and the session stays healthy."""
     if not send.plan.action.sends_draft:
         return 0
     try:
@@ -190,9 +191,36 @@ def send_draft_entries(
         if src_pages.size != dst_pages.size:
             raise ValueError(f"{src_pages.size} prefill pages for {dst_pages.size} decode pages")
         return send_from_pool(manager, send, session, src_pages, dst_pages)
-    except Exception:
+    except Exception as e:
         logger.exception("DFlash draft KV send to decode %s failed on this prefill", session)
+        return fail_room(manager, room, session, e)
+
+
+def room_failed(manager, room) -> bool:
+    """Whether ``room`` has failed already (a local failure of its draft send, or any other):
+    the rest of its sends to this decode rank are skipped."""
+    if room is None:
+        return False
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return manager.request_status.get(room) == KVPoll.Failed
+
+
+def fail_room(manager, room, session: str, error) -> int:
+    """A local failure of the draft send of ``room`` to ``session``: the room fails with the
+    reason (``conclude_failure``: Failed is terminal, and the decode is told) and 0 is returned,
+    so sglang's transfer worker does not count it against the session; without a room, -1."""
+    if room is None:
         return -1
+    manager.conclude_failure(
+        bootstrap_room=room,
+        failure_reason=(
+            f"DFlash draft KV send of room {room} to decode {session} failed on prefill rank "
+            f"{getattr(manager, 'attn_tp_rank', '?')} (pp rank {getattr(manager, 'pp_rank', '?')}): "
+            f"{error}"
+        ),
+    )
+    return 0
 
 
 def send_from_pool(manager, send: DraftSend, session: str, src_pages, dst_pages) -> int:

@@ -28,6 +28,7 @@ _DISAGG = "sglang_dflash_pp.srt.disaggregation"
 REGISTRATION_MODULE = "sglang.srt.disaggregation.mooncake.draft_kv_registration"
 SEND_MODULE = "sglang.srt.disaggregation.mooncake.draft_kv_send"
 CONN = "srt/disaggregation/mooncake/conn.py"
+_WORKER = "MooncakeKVManager.transfer_worker"
 
 
 def in_tree_docstring(module: str, *, without: str) -> str:
@@ -175,6 +176,8 @@ PR_5 = PR(
             names=(
                 "draft_dst_pages",
                 "draft_send_of",
+                "fail_room",
+                "room_failed",
                 "send_draft_entries",
                 "sends_draft_despite_skip",
                 "target_entries",
@@ -203,12 +206,22 @@ PR_5 = PR(
                     dst_kv_ptrs,
                     prefill_kv_indices,
                     draft_dst_pages(dst_kv_indices, dst_device_kv_indices),
+                    room=room,
                 )
-                if ret != 0 or draft_send.plan.action is PeerAction.DRAFT_ONLY:
+                if (
+                    ret != 0
+                    or draft_send.plan.action is PeerAction.DRAFT_ONLY
+                    or room_failed(self, room)
+                ):
                     return ret
             kv_entries = target_entries(self.kv_args, draft_send)
             """,
         ),
+        # ... told its room, which a local failure of the draft send fails (not the session)
+        AddParameter(CONN, "MooncakeKVManager.send_kvcache", name="room",
+                     annotation="Optional[int]"),  # fmt: skip
+        AddKeywordArgument(CONN, _WORKER, call="self.send_kvcache", keyword="room",
+                           value="kv_chunk.room"),  # fmt: skip
         # ... on the entries it sends
         *(
             ReplaceKeywordArgument(
@@ -249,8 +262,10 @@ PR_5 = PR(
         "a DRAFT_ONLY rank is no longer skipped. A plain-MHA target at another attention TP "
         "(send_kvcache_slice) stays refused until PR 7; equal heads stay byte-identical. A "
         "local failure of the draft send (a page id out of range, a decode that re-registered "
-        "during a transfer) returns a failure code, which transfer_worker handles as it does a "
-        "transport failure; no exception reaches the transfer thread. "
+        "during a transfer) fails the chunk's room through conclude_failure and returns 0, so "
+        "transfer_worker, which now passes send_kvcache the room, does not mark a healthy "
+        "decode's session failed; a transport failure returns its code as before, and no "
+        "exception reaches the transfer thread. "
         "Tested on the patched tree without the plugin: the real Mooncake engine over TCP "
         "on 127.0.0.1 (test_draft_kv_loopback's decode peer checks every byte against the "
         "heads each decode rank owns), TP4 -> TP32, TP2 -> TP1 and TP4 -> TP4."
@@ -280,7 +295,8 @@ PR_7 = PR(
                 # heads, sees the target entries of both sides only.
                 target = decode_target_entries(draft_send, dst_kv_ptrs, dst_layer_ids)
                 if target is None:
-                    return -1
+                    return fail_room(self, room, mooncake_session_id,
+                                     "the decode's draft entries are not its last entries")
                 ret = send_draft_entries(
                     self,
                     draft_send,
@@ -288,13 +304,17 @@ PR_7 = PR(
                     dst_kv_ptrs,
                     prefill_kv_indices,
                     dst_kv_indices,
+                    room=room,
                 )
-                if ret != 0:
+                if ret != 0 or room_failed(self, room):
                     return ret
                 dst_kv_ptrs, dst_layer_ids = target
             kv_entries = target_entries(self.kv_args, draft_send)
             """,
         ),
+        AddParameter(CONN, _SLICE, name="room", annotation="Optional[int]"),
+        AddKeywordArgument(CONN, _WORKER, call="self.send_kvcache_slice", keyword="room",
+                           value="kv_chunk.room"),  # fmt: skip
         ReplaceExpression(CONN, _SLICE, old="self.kv_args.kv_data_ptrs", new="kv_entries.ptrs"),
         ReplaceExpression(
             CONN, _SLICE, old="self.kv_args.kv_layer_ids", new="kv_entries.layer_ids"
@@ -356,7 +376,6 @@ _PACKED = f"{_DISAGG}.draft_kv_packed_send"
 PACKED_SEND_MODULE = "sglang.srt.disaggregation.mooncake.draft_kv_packed_send"
 SEND_FILE = "srt/disaggregation/mooncake/draft_kv_send.py"  # PR 5's module
 PREFILL = "srt/disaggregation/prefill.py"
-_WORKER = "MooncakeKVManager.transfer_worker"
 _STAGING_CHECK = "self.kv_args.draft_kv_source is not None"
 
 PR_6 = PR(
