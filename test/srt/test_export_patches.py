@@ -674,6 +674,19 @@ def test_insert_statements_widen_guard_and_replace_body():
     assert '"""Fill it."""\n        return None\n' in out
     with pytest.raises(AnchorError, match="`if nothing:` not found"):
         apply(ce.InsertStatements("f.py", "Box.fill", after=ce.IfTest("nothing"), code="x = 1"))
+    out = apply(ce.WrapStatement("f.py", "Box.fill", call="make", context="scope(total)"))
+    assert "        with scope(total):\n            out = make(\n                first=1,\n" in out
+    out = apply(ce.WrapStatement("f.py", "Box.fill", call="count", context="scope() as xs",
+                                 rename=("items", "xs")))  # fmt: skip
+    assert "        with scope() as xs:\n            total = count(xs)\n        out = make(" in out
+    with pytest.raises(AnchorError, match="argument `other` of `count\\(...\\)` not found"):
+        apply(ce.WrapStatement("f.py", "Box.fill", call="count", context="s()",
+                               rename=("other", "xs")))  # fmt: skip
+    empty = "class Empty(Base):\n    pass\n"
+    out = apply(ce.ReplaceBody("f.py", "Empty", code="def poll(self):\n    return 1\n"), empty)
+    assert out == "class Empty(Base):\n    def poll(self):\n        return 1\n"
+    with pytest.raises(AnchorError, match="class `Box` has a body"):
+        apply(ce.ReplaceBody("f.py", "Box", code="x = 1"))
 
 
 def test_widen_condition_breaks_a_parenthesised_condition_one_operand_per_line():
@@ -687,6 +700,8 @@ def test_widen_condition_breaks_a_parenthesised_condition_one_operand_per_line()
 def test_add_import_merges_or_places_in_order():
     out = apply(ce.AddImport("f.py", module="pkg.a", names=("Alpha",)))
     assert "from pkg.a import Alpha, alpha\nfrom pkg.b import beta\n" in out
+    out = apply(ce.AddImport("f.py", module="pkg.A", names=("Z",)))  # first of its group
+    assert "import os\n\nfrom pkg.A import Z\nfrom pkg.a import alpha\n" in out
     out = apply(ce.AddImport("f.py", module="pkg.ab", names=("gamma",)))
     assert "from pkg.a import alpha\nfrom pkg.ab import gamma\nfrom pkg.b import beta\n" in out
     long_names = tuple(f"name_{i:02d}_of_some_length" for i in range(4))
