@@ -395,8 +395,7 @@ def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths)
     """What ``MooncakeTransferEngine.batch_transfer_sync`` is about to send: digested where a
     digest scope for ``session_id`` is open on this thread (sglang's descriptor lists, resolved
     against the decode's buffers); a large transfer wakes the digest thread, as the GIL is free
-    while Mooncake moves the bytes. Called by the plugin's hook and, in-tree, by
-    ``batch_transfer_sync``."""
+    while Mooncake moves the bytes. Runs where ``batch_transfer_sync`` starts."""
     current = getattr(_scope, "value", None)
     if (
         current is not None
@@ -440,8 +439,7 @@ def maybe_send_extra_around(original, self, req, prefill_state_indices, executor
 def send_digest_sums(manager, req) -> None:
     """sglang sends the room's status to its decode ranks once the last of them got its aux
     data; just before that last aux, the worker waits for the digest thread to finish the room's
-    blocks, and every decode rank of the room gets its sums. Called by the plugin's hook and,
-    in-tree, at the start of ``send_aux``."""
+    blocks, and every decode rank of the room gets its sums. Runs where ``send_aux`` starts."""
     digest = digest_of(manager)
     if digest is None or getattr(req, "is_dummy", False):
         return
@@ -493,9 +491,7 @@ def _failed(status) -> bool:
 
 def begin_digest_chunk(manager, chunk) -> None:
     """sglang's transfer worker takes ``chunk``, its KV written (the worker synchronised its
-    events): this thread's chunk (``transfer_chunk``) and its digest. In-tree, from
-    ``transfer_worker``; the plugin's worker hook (``mooncake_draft_kv``) marks its chunks
-    itself."""
+    events): this thread's chunk (``transfer_chunk``) and its digest."""
     if digest_of(manager) is not None:
         transfer_chunk.begin(manager, chunk)
         begin_chunk(manager, chunk)
@@ -544,8 +540,8 @@ def add_draft_blocks(manager, session: str, send, src_pages, dst_pages, entries=
     """Digest what one draft send (``draft_kv_send.send_draft_entries``) writes to ``session``:
     the pool rows the plan writes, at their decode slots, whatever the regime (a packed slab is a
     copy; digesting the pool also catches a pack that read stale rows). ``entries``: the
-    registration's :func:`draft_digest_entries_of` where the caller keeps it (the plugin's send
-    table), else made once per registration here. Raises where a page id is out of the pool's
+    registration's :func:`draft_digest_entries_of` where the caller keeps it with its send
+    table, else made once per registration here. Raises where a page id is out of the pool's
     range (the digest reads the pool there)."""
     if digest_of(manager) is None:
         return
@@ -595,14 +591,14 @@ def composes_digest(queue) -> bool:
     )
 
 
-def start_send_digest(queue) -> bool:
+def start_send_digest(queue) -> None:
     """Where :func:`composes_digest`: build the digest engine (kernel compiled, buffers
-    allocated, before serving) and its thread; True then, and stock's whole-request digest is to
-    be off on this prefill (it digests this rank's own KV range, which a decode can compare only
-    at the same TP width and without PP; the composed digest covers that layout too). Called by
-    the plugin's hook and, in-tree, by ``PrefillBootstrapQueue.__init__``."""
+    allocated, before serving) and its thread, and turn stock's whole-request digest off on this
+    prefill (it digests this rank's own KV range, which a decode can compare only at the same TP
+    width and without PP; the composed digest covers that layout too). Runs once
+    ``PrefillBootstrapQueue.__init__`` built the KV manager and stock's digest."""
     if not composes_digest(queue):
-        return False
+        return
     manager = queue.kv_manager
     reason = unsupported_state(manager.kv_args)
     if reason is not None:
@@ -614,21 +610,20 @@ def start_send_digest(queue) -> bool:
     sender = Sender(int(manager.pp_rank), int(manager.attn_tp_rank),
                     int(manager._prefill_unique_rank()))  # fmt: skip
     setattr(manager, _ENGINE_ATTR, SendDigest(engine, sender))
+    queue.scheduler.kv_checksum_computer = None
     logger.info(
         "KV checksum: composed digest on %s (%s); stock's same-layout digest is off on this "
         "prefill, the decode verifies every layout",
         sender.describe(),
         engine.describe(),
     )
-    return True
 
 
 def prefill_queue_init_after(result, self, *args, **kwargs):
     if not composes_digest(self):
         return None
     require_hooks()
-    if start_send_digest(self):
-        self.scheduler.kv_checksum_computer = None
+    start_send_digest(self)
     return None
 
 

@@ -225,7 +225,7 @@ def verify_request(scheduler, inbox: Inbox, req) -> Optional[str]:
 def verify_composed_digests(scheduler, batch) -> None:
     """Verify every request of ``batch`` that its senders composed a digest for, and drop the
     mismatched ones (the drop set agreed over the attention TP group first, as stock does).
-    Called by the plugin's hook and, in-tree, at the start of ``_verify_kv_checksums``."""
+    Runs where ``_verify_kv_checksums`` starts, before stock's own check."""
     inbox = inbox_of(scheduler.disagg_decode_prealloc_queue.kv_manager)
     if inbox is None:
         return
@@ -267,7 +267,7 @@ def verify_kv_checksums_around(original, self, batch, *args, **kwargs):
 def take_digest_message(manager, msg) -> bool:
     """True when ``msg`` (one the decode thread received) is a prefill rank's digest sums: taken
     into the inbox (a malformed one, or one for a room this rank does not hold, is dropped).
-    Called by the plugin's hook and, in-tree, by the decode thread before its other handlers."""
+    Runs in the decode thread before its other handlers."""
     inbox = inbox_of(manager)
     if inbox is None or not msg or msg[0] != MESSAGE_TAG:
         return False
@@ -290,8 +290,7 @@ def handle_chunk_ready_around(original, self, msg, *args, **kwargs):
 def poll_digest_sums(receiver, status):
     """``status`` (the receiver's poll) unless the room's transfer completed with some, not all,
     of its senders' sums: Transferring then, for at most the inbox's timeout, then Failed naming
-    the senders that delivered. Called by the plugin's hook and, in-tree, by
-    ``MooncakeKVReceiver.poll``."""
+    the senders that delivered."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     inbox = inbox_of(receiver.kv_mgr)
@@ -325,7 +324,7 @@ def receiver_poll_around(original, self, *args, **kwargs):
 def start_verify_digest(queue) -> None:
     """With the checksum flag on a Mooncake decode (``queue``: its ``DecodePreallocQueue``, the
     KV manager built), build the digest engine (before serving) and the inbox of the senders'
-    sums. Called by the plugin's hook and, in-tree, by ``DecodePreallocQueue.__init__``."""
+    sums. Runs once ``DecodePreallocQueue.__init__`` built the KV manager."""
     from sglang.srt.disaggregation.utils import TransferBackend
     from sglang.srt.runtime_context import get_disagg
 
