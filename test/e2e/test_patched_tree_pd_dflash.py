@@ -1,11 +1,12 @@
 """The stack as in-tree patches, served: DFLASH PP2 PD prefill -> DFLASH decode -> router, on the
 sglang tree ``export-patches`` generates, with the plugin **not loaded**.
 
-The generator applies the whole series (PR 1 to PR 15) to a copy of the installed sglang 0.5.23;
-the test fails, naming where the series stopped, if it does not reach PR 15. The servers get the
+The generator applies the whole series (PR 1 to PR 16) to a copy of the installed sglang 0.5.23;
+the test fails, naming where the series stopped, if it does not reach PR 16. The servers get the
 patched tree first on ``PYTHONPATH`` and ``SGLANG_PLUGINS`` naming only the test-only CPU support
 plugin (``test/cpu_support``, which imports nothing of ``sglang_dflash_pp`` unless one of its
-instruments for our own functions is switched on, and none is here): an unset or empty
+instruments for our own functions is switched on; the one here, ``kv_digest_trace``, is pointed
+at the in-tree ``sglang.srt.disaggregation.kv_digest_verify``): an unset or empty
 ``SGLANG_PLUGINS`` would load every installed plugin, ours included. A test-only
 ``sitecustomize`` on the same path refuses any import of ``sglang_dflash_pp`` in every server
 process (recording the attempt) and records where each process imported ``sglang`` from; the
@@ -14,9 +15,14 @@ our package.
 
 One deployment, the tiny fp32 Llama pair of ``test_llama_pd_dflash``: ``P`` DFLASH ``--pp-size
 2`` (two stages of two layers; stage 0 owns feature 0, the last stage features 1 and 2 and the
-draft) -> ``D`` DFLASH TP1 -> the PD router. Asserted: greedy tokens equal the non-PD server's,
-and the decode's draft KV after the transfer equals the plugin's PP2 deployment's for the same
-request (within the fp32 bound of ``draft_kv_dumps``; both compute the same sums). The reference
+draft) -> ``D`` DFLASH TP1 -> the PD router, both with ``--disaggregation-enable-kv-checksum``.
+Asserted: greedy tokens equal the non-PD server's, and the decode's draft KV after the transfer
+equals the plugin's PP2 deployment's for the same request (within the fp32 bound of
+``draft_kv_dumps``; both compute the same sums). PR 16: every request was verified by the
+in-tree composed digest on the decode (its ``record_outcome``, recorded by ``kv_digest_trace``;
+stock would admit a PP2 prefill's requests unverified), nothing was admitted unverified, both
+stages composed a digest, and one byte of a request's draft KV flipped on the decode (the
+trace's test hook) fails that request naming the buffer; the next request is served. The reference
 responses and dumps are the Llama module's (``llama_reference``) when it ran earlier in the
 session; run alone, this module starts that reference itself (the non-PD server and the plugin's
 PP2 prefill into a TP1 decode).
@@ -41,10 +47,12 @@ import llama_reference
 from deployment_args import DECODE_ARGS, prefill_args, server_args
 from deployments import Deployment
 from draft_kv_dumps import fp32_draft_kv_tolerance, read_dumps
+from kv_digest_outcomes import CHECKSUM, ROUTER_ARGS, assert_corruption_detected, read_outcomes
 
 pytestmark = pytest.mark.slow
 
-LAST_PR = "15"
+LAST_PR = "16"
+IN_TREE_VERIFY = "sglang.srt.disaggregation.kv_digest_verify"
 MAX_NEW_TOKENS = 24
 PROMPTS = [  # the sequential round of test_llama_pd_dflash, whose responses are the reference
     "hello world, this is",
@@ -92,7 +100,7 @@ if _dir:
 
 @pytest.fixture(scope="module")
 def patched(e2e_root, tmp_path_factory):
-    """The series generated onto a copy of the installed sglang; it must reach PR 15."""
+    """The series generated onto a copy of the installed sglang; it must reach PR 16."""
     from sglang_dflash_pp.tools.export_patches import generator
 
     root = str(tmp_path_factory.mktemp("patched_tree"))
@@ -168,28 +176,41 @@ def served(patched, reference, e2e_root, stub_root):
     root = os.path.join(e2e_root, "patched_tree")
     os.makedirs(root, exist_ok=True)
     dump = os.path.join(root, "decode_draft_kv")
+    digest = os.path.join(root, "kv_digest")  # the in-tree verifications (kv_digest_trace)
+    os.makedirs(digest, exist_ok=True)
     path = os.pathsep.join([patched["guard"], os.path.dirname(patched["tree"]),
                             cpu_servers.CPU_SUPPORT, stub_root])
     env = {"PYTHONPATH": path, "SGLANG_PLUGINS": CPU_SUPPORT_PLUGIN,
            GUARD_ENV: patched["records"]}
+    decode_env = {**env, "SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": dump,
+                  "SGLANG_DFLASH_PP_TEST_KV_DIGEST_DIR": digest,
+                  "SGLANG_DFLASH_PP_TEST_KV_DIGEST_MODULE": IN_TREE_VERIFY}
     dep = Deployment("patched tree, no plugin")
     launch = lambda name, args, **kw: dep.add(cpu_servers.launch_server(  # noqa: E731
         name, root, target, args, stub_root=stub_root, spec=True, **kw))
     boot = cpu_servers.free_port()
     try:
-        launch("T-P2", server_args(draft, *prefill_args(boot), "--pp-size", "2"), pd=True,
-               ranks=2, env=env)
-        launch("T-D1", server_args(draft, *DECODE_ARGS), pd=True,
-               env={**env, "SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": dump})
+        launch("T-P2", server_args(draft, *prefill_args(boot), CHECKSUM, "--pp-size", "2"),
+               pd=True, ranks=2, env=env)
+        launch("T-D1", server_args(draft, *DECODE_ARGS, CHECKSUM), pd=True, env=decode_env)
         dep.wait()
         dep.add(cpu_servers.launch_pd_router("T-router", root, [(dep["T-P2"].base_url, boot)],
-                                             [dep["T-D1"].base_url]))
+                                             [dep["T-D1"].base_url], ROUTER_ARGS))
         dep.wait(["T-router"])
         responses = _sequential(dep["T-router"].base_url, "t-seq")
+        verified = read_outcomes(digest)  # before the corrupted request below
+        try:  # its asserts are the test's (test_the_in_tree_digest_detects_a_flipped_byte)
+            assert_corruption_detected(dep["T-router"].base_url, PROMPTS[0], MAX_NEW_TOKENS,
+                                       "t-corrupt-draft", "draft", responses[0]["output_ids"],
+                                       digest)  # fmt: skip
+            corruption = None
+        except AssertionError as e:
+            corruption = e
         logs = {name: dep[name].log_text() for name in ("T-P2", "T-D1")}
     finally:
         dep.kill()
-    return {"responses": responses, "dump": dump, "logs": logs}
+    return {"responses": responses, "dump": dump, "logs": logs, "verified": verified,
+            "corruption": corruption}
 
 
 def test_the_servers_ran_the_patched_tree_without_the_plugin(patched, served):
@@ -240,3 +261,27 @@ def test_decode_draft_kv_equals_the_plugin_deployments(served, reference):
             worst = max(worst, diff)
             assert diff <= fp32_draft_kv_tolerance(a), (i, kind, diff)
     print(f"patched tree vs plugin PP2: largest draft KV difference {worst:.3g}", file=sys.stderr)
+
+
+def test_every_request_is_verified_by_the_in_tree_digest(served):
+    """PR 16 on the patched tree: the decode verified each request of the deployment with the
+    in-tree composed digest (both PP stages' sums met its own bytes); stock's check would have
+    admitted them unverified (a PP stage's layout signature differs), and logged so."""
+    rows = served["verified"]
+    sent = [f"t-seq-{i}" for i in range(len(PROMPTS))]
+    assert all(r["outcome"] == "verified" for r in rows), rows
+    ours = [r for r in rows if r["rid"].startswith("t-")]
+    assert sorted(r["rid"] for r in ours) == sorted(sent), rows  # each once, on the one rank
+    assert all("from 2 senders" in r["detail"] for r in ours), rows  # both PP stages
+    decode, prefill = served["logs"]["T-D1"], served["logs"]["T-P2"]
+    assert "KV checksum: this decode verifies composed digests" in decode
+    assert "admitted unverified" not in decode
+    for stage in (0, 1):  # each stage composes its own sums; stock's range digest is off
+        assert f"KV checksum: composed digest on prefill pp rank {stage}" in prefill, prefill[-3000:]
+
+
+def test_the_in_tree_digest_detects_a_flipped_byte(served):
+    """One byte of a request's draft KV flipped on the decode after the transfer: the in-tree
+    digest fails that request naming the room, the draft KV entry and its writers; the next one
+    is served with the same tokens (``kv_digest_outcomes.assert_corruption_detected``)."""
+    assert served["corruption"] is None, served["corruption"]

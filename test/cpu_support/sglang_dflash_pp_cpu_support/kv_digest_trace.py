@@ -3,7 +3,10 @@
 Enabled by ``SGLANG_DFLASH_PP_TEST_KV_DIGEST_DIR=<dir>`` (registered by the test-support plugin
 only when that variable is set), on a decode server. Two hooks on the product's
 ``sglang_dflash_pp.srt.disaggregation.kv_digest_verify`` (module functions it calls through its
-module globals, on the decode's scheduler thread):
+module globals, on the decode's scheduler thread), or on the module that
+``SGLANG_DFLASH_PP_TEST_KV_DIGEST_MODULE`` names: the same module in-tree
+(``sglang.srt.disaggregation.kv_digest_verify`` on the tree ``export-patches`` generates, where
+the plugin is not loaded and this instrument imports nothing of it):
 
 * AROUND ``verify_request(scheduler, inbox, req)``: when the request's rid contains
   ``corrupt-draft``, ``corrupt-target`` or ``corrupt-state``, flip bit 0 of one byte the transfer
@@ -25,7 +28,8 @@ import json
 import os
 
 ENV = "SGLANG_DFLASH_PP_TEST_KV_DIGEST_DIR"
-MODULE = "sglang_dflash_pp.srt.disaggregation.kv_digest_verify"
+MODULE_ENV = "SGLANG_DFLASH_PP_TEST_KV_DIGEST_MODULE"
+MODULE = os.environ.get(MODULE_ENV) or "sglang_dflash_pp.srt.disaggregation.kv_digest_verify"
 KINDS = ("draft", "target", "state")
 
 

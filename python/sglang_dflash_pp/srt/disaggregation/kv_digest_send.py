@@ -53,7 +53,12 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from sglang_dflash_pp.hooks import PluginHook, registered_hooks, require_applied
-from sglang_dflash_pp.srt.disaggregation import transfer_chunk
+import sglang_dflash_pp.srt.disaggregation.transfer_chunk as transfer_chunk
+from sglang_dflash_pp.srt.disaggregation.draft_kv_digest import (
+    DigestEntries,
+    digest_blocks_of,
+    digest_entries,
+)
 from sglang_dflash_pp.srt.disaggregation.kv_digest import (
     Blocks,
     BufferKind,
@@ -411,14 +416,17 @@ class scope:
         return False
 
 
-def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_addresses,
-                               lengths, *args, **kwargs):  # fmt: skip
+def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths) -> None:
+    """What ``MooncakeTransferEngine.batch_transfer_sync`` is about to send: digested where a
+    digest scope for ``session_id`` is open on this thread (sglang's descriptor lists, resolved
+    against the decode's buffers); a large transfer wakes the digest thread, as the GIL is free
+    while Mooncake moves the bytes. Runs where ``batch_transfer_sync`` starts."""
     current = getattr(_scope, "value", None)
     pending = current.pending if current is not None else getattr(_scope, "pending", None)
     handed_before = set(pending.handed) if pending is not None and pending.last else set()
     if (
         current is not None
-        and getattr(current.manager, "engine", None) is self
+        and getattr(current.manager, "engine", None) is engine
         and current.session == session_id
         and len(buffers)
     ):
@@ -435,34 +443,56 @@ def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_
             pending.handed.clear()  # what is queued, digested during this transfer
             digest.thread.submit(_digest_pending, pending)
         digest.thread.wake()  # the GIL is free while Mooncake moves the bytes
+
+
+def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_addresses,
+                               lengths, *args, **kwargs):  # fmt: skip
+    digest_transfer(self, session_id, buffers, peer_buffer_addresses, lengths)
     return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
+
+
+def send_scope(manager, session: str, executor) -> scope:
+    """The digest scope of a send of target KV entries to ``session`` (``send_kvcache``,
+    ``send_kvcache_slice``); the draft entries are digested from the pool instead
+    (:func:`add_draft_blocks`)."""
+    return scope(manager, session, executor, BufferKind.KV)
+
+
+def state_scope(manager, req, executor) -> scope:
+    """The digest scope of the room's state send to ``req``'s decode rank
+    (``maybe_send_extra``)."""
+    return scope(manager, req.mooncake_session_id, executor, BufferKind.STATE)
 
 
 def maybe_send_extra_around(original, self, req, prefill_state_indices, executor, *args, **kwargs):
     if digest_of(self) is None or getattr(req, "is_dummy", False):
         return original(self, req, prefill_state_indices, executor, *args, **kwargs)
-    with scope(self, req.mooncake_session_id, executor, BufferKind.STATE) as scoped:
+    with state_scope(self, req, executor) as scoped:
         return original(self, req, prefill_state_indices, scoped, *args, **kwargs)
 
 
-def send_aux_around(original, self, req, *args, **kwargs):
+def send_digest_sums(manager, req) -> None:
     """sglang sends the room's status to its decode ranks once the last of them got its aux
     data; just before that last aux, the worker waits for the digest thread to finish the room's
-    blocks, and every decode rank of the room gets its sums."""
-    digest = digest_of(self)
+    blocks, and every decode rank of the room gets its sums. Runs where ``send_aux`` starts."""
+    digest = digest_of(manager)
     if digest is None or getattr(req, "is_dummy", False):
-        return original(self, req, *args, **kwargs)
+        return
     room = int(req.room)
     done = _aux().setdefault(room, [])
     done.append(req)
     if len(done) >= int(getattr(req, "required_dst_info_num", 1) or 1):
-        verified = flush(self)  # False: the worker's open rooms failed, naming the thread
+        verified = flush(manager)  # False: the worker's open rooms failed, naming the thread
         _aux().pop(room, None)
         for r in done if verified else ():
             try:
-                _send_contribution(self, digest.pop(room, r.mooncake_session_id), r)
+                _send_contribution(manager, digest.pop(room, r.mooncake_session_id), r)
             except Exception as e:
-                _fail(self, room, r.mooncake_session_id, e)
+                _fail(manager, room, r.mooncake_session_id, e)
+
+
+def send_aux_around(original, self, req, *args, **kwargs):
+    send_digest_sums(self, req)
     return original(self, req, *args, **kwargs)
 
 
@@ -497,6 +527,86 @@ def _failed(status) -> bool:
     return status == KVPoll.Failed
 
 
+def begin_digest_chunk(manager, chunk) -> None:
+    """sglang's transfer worker takes ``chunk``, its KV written (the worker synchronised its
+    events): this thread's chunk (``transfer_chunk``) and its digest."""
+    if digest_of(manager) is not None:
+        transfer_chunk.begin(manager, chunk)
+        begin_chunk(manager, chunk)
+
+
+def end_digest_chunk(manager) -> None:
+    """The worker's loop over the chunk's decode ranks ended, however it ended."""
+    if digest_of(manager) is not None:
+        end_chunk(manager)
+        transfer_chunk.end()
+
+
+_DRAFT_ATTR = "_dflash_kv_digest_draft"  # on a decode's KVArgsRegisterInfo: (send, entries)
+_interned_digest_entries: dict = {}
+_interned_lock = threading.Lock()
+
+
+def draft_digest_entries_of(kv_args, plan) -> Optional[DigestEntries]:
+    """The KV digest's view of the draft entries ``plan`` (a decode registration's verdict)
+    makes this rank write, or None where it writes none. Decode ranks holding the same heads get
+    the same object, so a chunk builds and digests their blocks once."""
+    pair = plan.pair
+    if pair is None or not pair.writer or not plan.action.sends_draft:
+        return None
+    entries = plan.entries
+    made = digest_entries(pair, [e.component for e in entries],
+                          [kv_args.kv_data_ptrs[e.src_index] for e in entries],
+                          [e.dst_index for e in entries])  # fmt: skip
+    key = tuple(a.tobytes() if isinstance(a, np.ndarray) else a for a in made)
+    with _interned_lock:
+        return _interned_digest_entries.setdefault(key, made)
+
+
+def _draft_entries(manager, registration, send) -> Optional[DigestEntries]:
+    cached = getattr(registration, _DRAFT_ATTR, None)
+    if cached is None or cached[0] is not send:
+        cached = (send, draft_digest_entries_of(manager.kv_args, send.plan))
+        setattr(registration, _DRAFT_ATTR, cached)
+    return cached[1]
+
+
+_OWN = object()
+
+
+def add_draft_blocks(manager, session: str, send, src_pages, dst_pages, entries=_OWN) -> None:
+    """Digest what one draft send (``draft_kv_send.send_draft_entries``) writes to ``session``:
+    the pool rows the plan writes, at their decode slots, whatever the regime (a packed slab is a
+    copy; digesting the pool also catches a pack that read stale rows). ``entries``: the
+    registration's :func:`draft_digest_entries_of` where the caller keeps it with its send
+    table, else made once per registration here. Raises where a page id is out of the pool's
+    range (the digest reads the pool there)."""
+    if digest_of(manager) is None:
+        return
+    memo = transfer_chunk.memo()  # the chunk's pages, checked once for its decode ranks
+    checked = ("pages checked", src_pages.tobytes(), send.page_bound)
+    if checked not in memo:
+        send.check_pages(src_pages)
+        memo[checked] = True
+    registration = manager.decode_kv_args_table.get(session)
+    if entries is _OWN:
+        entries = _draft_entries(manager, registration, send)
+    if entries is None:
+        return
+    add_blocks(manager, transfer_chunk.room_of(manager), session, registration,
+               lambda: draft_blocks(entries, src_pages, dst_pages, memo))  # fmt: skip
+
+
+def draft_blocks(entries: DigestEntries, src_pages, dst_pages, memo) -> Blocks:
+    """The blocks of one draft send, built once per chunk for the decode ranks that share
+    ``entries`` (``memo``: the sending worker's chunk memo; this runs on the digest thread)."""
+    key = ("digest blocks", id(entries), src_pages.tobytes(), dst_pages.tobytes())
+    blocks = memo.get(key)
+    if blocks is None:
+        blocks = memo[key] = digest_blocks_of(entries, src_pages, dst_pages)
+    return blocks
+
+
 # -- startup ---------------------------------------------------------------------------------
 
 
@@ -505,37 +615,53 @@ def _is_dflash(scheduler) -> bool:
     return algorithm is not None and bool(getattr(algorithm, "is_dflash", lambda: False)())
 
 
-def prefill_queue_init_after(result, self, *args, **kwargs):
+def composes_digest(queue) -> bool:
+    """``--disaggregation-enable-kv-checksum`` on a DFLASH Mooncake prefill (``queue``: its
+    ``PrefillBootstrapQueue``, the KV manager built)."""
     from sglang.srt.runtime_context import get_disagg
 
-    scheduler = getattr(self, "scheduler", None)
-    manager = getattr(self, "kv_manager", None)
-    backend = getattr(self, "transfer_backend", None)
-    if not (
+    backend = getattr(queue, "transfer_backend", None)
+    return bool(
         get_disagg().disaggregation_enable_kv_checksum
-        and _is_dflash(scheduler)
+        and _is_dflash(getattr(queue, "scheduler", None))
         and str(getattr(backend, "name", backend)).upper() == "MOONCAKE"
-        and manager is not None
-    ):
-        return None
-    require_hooks()
+        and getattr(queue, "kv_manager", None) is not None
+    )
+
+
+def start_send_digest(queue) -> None:
+    """Where :func:`composes_digest`: build the digest engine (kernel compiled, buffers
+    allocated, before serving) and its thread, and turn stock's whole-request digest off on this
+    prefill (it digests this rank's own KV range, which a decode can compare only at the same TP
+    width and without PP; the composed digest covers that layout too). Runs once
+    ``PrefillBootstrapQueue.__init__`` built the KV manager and stock's digest."""
+    if not composes_digest(queue):
+        return
+    manager = queue.kv_manager
     reason = unsupported_state(manager.kv_args)
     if reason is not None:
         raise RuntimeError(reason)
     from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
 
-    device = getattr(self.token_to_kv_pool, "device", "cpu")
+    device = getattr(queue.token_to_kv_pool, "device", "cpu")
     engine = DigestEngine(device)
     sender = Sender(int(manager.pp_rank), int(manager.attn_tp_rank),
                     int(manager._prefill_unique_rank()))  # fmt: skip
     setattr(manager, _ENGINE_ATTR, SendDigest(engine, sender))
-    scheduler.kv_checksum_computer = None
+    queue.scheduler.kv_checksum_computer = None
     logger.info(
         "KV checksum: composed digest on %s (%s); stock's same-layout digest is off on this "
         "prefill, the decode verifies every layout",
         sender.describe(),
         engine.describe(),
     )
+
+
+def prefill_queue_init_after(result, self, *args, **kwargs):
+    if not composes_digest(self):
+        return None
+    require_hooks()
+    start_send_digest(self)
     return None
 
 

@@ -222,11 +222,13 @@ def verify_request(scheduler, inbox: Inbox, req) -> Optional[str]:
     return message
 
 
-def verify_kv_checksums_around(original, self, batch, *args, **kwargs):
-    manager = self.disagg_decode_prealloc_queue.kv_manager
-    inbox = inbox_of(manager)
+def verify_composed_digests(scheduler, batch) -> None:
+    """Verify every request of ``batch`` that its senders composed a digest for, and drop the
+    mismatched ones (the drop set agreed over the attention TP group first, as stock does).
+    Runs where ``_verify_kv_checksums`` starts, before stock's own check."""
+    inbox = inbox_of(scheduler.disagg_decode_prealloc_queue.kv_manager)
     if inbox is None:
-        return original(self, batch, *args, **kwargs)
+        return
     from sglang.srt.disaggregation.checksum import is_health_check_req
     from sglang.srt.disaggregation.utils import all_reduce_flags
 
@@ -239,13 +241,13 @@ def verify_kv_checksums_around(original, self, batch, *args, **kwargs):
             inbox.pop(int(req.bootstrap_room))
             continue
         try:
-            message = verify_request(self, inbox, req)
+            message = verify_request(scheduler, inbox, req)
         except Exception as e:  # the check failed, not the bytes: say so, keep serving
             logger.exception("KV digest verification of room %s failed", req.bootstrap_room)
             message = f"KV checksum could not be verified for room {req.bootstrap_room}: {e!r}"
         if message is not None:
             flags[i], messages[i] = 1, message
-    flags = all_reduce_flags(flags, self.attn_tp_cpu_group, dist.ReduceOp.MAX)
+    flags = all_reduce_flags(flags, scheduler.attn_tp_cpu_group, dist.ReduceOp.MAX)
     if any(flags):
         for i, req in enumerate(batch.reqs):
             if flags[i]:
@@ -253,34 +255,49 @@ def verify_kv_checksums_around(original, self, batch, *args, **kwargs):
                     f"KV checksum mismatch: room {req.bootstrap_room} (req {req.rid}) on "
                     "another attention TP rank of this decode (its log names the buffer)"))
                 logger.error(message)
-                _drop(self, req, message)
+                _drop(scheduler, req, message)
         batch.filter_batch(keep_indices=[i for i, bad in enumerate(flags) if not bad])
+
+
+def verify_kv_checksums_around(original, self, batch, *args, **kwargs):
+    verify_composed_digests(self, batch)
     return original(self, batch, *args, **kwargs)
 
 
+def take_digest_message(manager, msg) -> bool:
+    """True when ``msg`` (one the decode thread received) is a prefill rank's digest sums: taken
+    into the inbox (a malformed one, or one for a room this rank does not hold, is dropped).
+    Runs in the decode thread before its other handlers."""
+    inbox = inbox_of(manager)
+    if inbox is None or not msg or msg[0] != MESSAGE_TAG:
+        return False
+    try:
+        c = decode(msg)
+    except ValueError as e:
+        logger.warning("Dropping malformed KV digest message: %s", e)
+        return True
+    if c.room in getattr(manager, "request_status", {}):
+        inbox.put(c)
+    return True
+
+
 def handle_chunk_ready_around(original, self, msg, *args, **kwargs):
-    inbox = inbox_of(self)
-    if inbox is not None and msg and msg[0] == MESSAGE_TAG:
-        try:
-            c = decode(msg)
-        except ValueError as e:
-            logger.warning("Dropping malformed KV digest message: %s", e)
-            return True
-        if c.room in getattr(self, "request_status", {}):
-            inbox.put(c)
+    if take_digest_message(self, msg):
         return True
     return original(self, msg, *args, **kwargs)
 
 
-def receiver_poll_around(original, self, *args, **kwargs):
+def poll_digest_sums(receiver, status):
+    """``status`` (the receiver's poll) unless the room's transfer completed with some, not all,
+    of its senders' sums: Transferring then, for at most the inbox's timeout, then Failed naming
+    the senders that delivered."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    status = original(self, *args, **kwargs)
-    inbox = inbox_of(self.kv_mgr)
+    inbox = inbox_of(receiver.kv_mgr)
     if inbox is None or status != KVPoll.Success:
         return status
-    room = int(self.bootstrap_room)
-    required = getattr(self, "required_prefill_response_num", None)
+    room = int(receiver.bootstrap_room)
+    required = getattr(receiver, "required_prefill_response_num", None)
     have = inbox.count(room)
     if have == 0 or required is None or have >= int(required):
         return status
@@ -295,33 +312,44 @@ def receiver_poll_around(original, self, *args, **kwargs):
     )
     inbox.pop(room)
     logger.error(reason)
-    self.kv_mgr.record_failure(room, reason)
-    self.conclude_state = KVPoll.Failed
+    receiver.kv_mgr.record_failure(room, reason)
+    receiver.conclude_state = KVPoll.Failed
     return KVPoll.Failed
 
 
-def prealloc_queue_init_after(result, self, *args, **kwargs):
+def receiver_poll_around(original, self, *args, **kwargs):
+    return poll_digest_sums(self, original(self, *args, **kwargs))
+
+
+def start_verify_digest(queue) -> None:
+    """With the checksum flag on a Mooncake decode (``queue``: its ``DecodePreallocQueue``, the
+    KV manager built), build the digest engine (before serving) and the inbox of the senders'
+    sums. Runs once ``DecodePreallocQueue.__init__`` built the KV manager."""
     from sglang.srt.disaggregation.utils import TransferBackend
     from sglang.srt.runtime_context import get_disagg
 
     if not get_disagg().disaggregation_enable_kv_checksum:
-        return None
-    if self.transfer_backend != TransferBackend.MOONCAKE:
-        return None
+        return
+    if queue.transfer_backend != TransferBackend.MOONCAKE:
+        return
     from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import (
         DigestEngine,
         unsupported_state,
     )
 
-    manager = self.kv_manager
+    manager = queue.kv_manager
     if unsupported_state(manager.kv_args) is not None:
         logger.info("KV checksum: the composed digest is off on this decode (%s)",
                     unsupported_state(manager.kv_args))  # fmt: skip
-        return None
-    engine = DigestEngine(getattr(self.token_to_kv_pool, "device", "cpu"))
+        return
+    engine = DigestEngine(getattr(queue.token_to_kv_pool, "device", "cpu"))
     timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
     setattr(manager, _INBOX_ATTR, Inbox(engine, manager.kv_args, timeout))
     logger.info("KV checksum: this decode verifies composed digests (%s)", engine.describe())
+
+
+def prealloc_queue_init_after(result, self, *args, **kwargs):
+    start_verify_digest(self)
     return None
 
 

@@ -75,11 +75,7 @@ import numpy as np
 
 from sglang_dflash_pp.hooks import PluginHook
 from sglang_dflash_pp.srt.disaggregation.draft_kv_chunk_packs import ChunkPacks, HeadSlice
-from sglang_dflash_pp.srt.disaggregation.draft_kv_digest import (
-    DigestEntries,
-    digest_blocks_of,
-    digest_entries,
-)
+from sglang_dflash_pp.srt.disaggregation.draft_kv_digest import DigestEntries
 from sglang_dflash_pp.srt.disaggregation.draft_kv_geometry import DraftKVLayoutError
 from sglang_dflash_pp.srt.disaggregation.draft_kv_peer import DraftKVPeerPlan, PeerAction
 from sglang_dflash_pp.srt.disaggregation.draft_kv_packed_send import (
@@ -149,20 +145,13 @@ class DraftSend(draft_kv_send.DraftSend):
     @classmethod
     def of(cls, manager, plan: DraftKVPeerPlan, dst_kv_ptrs) -> "DraftSend":
         kv_args = manager.kv_args
-        entries = plan.entries
         piece = head_slice_of(kv_args, plan)
         source = draft_kv_source_for(kv_args)
         return cls(
             **cls.fields_of(kv_args, plan, dst_kv_ptrs),
             staging=None if source is None else source.staging,
             head_slice=piece,
-            digest=(
-                _interned(digest_entries(plan.pair, [e.component for e in entries],
-                                         [kv_args.kv_data_ptrs[e.src_index] for e in entries],
-                                         [e.dst_index for e in entries]))  # fmt: skip
-                if plan.pair is not None and plan.pair.writer and plan.action.sends_draft
-                else None
-            ),
+            digest=kv_digest_send.draft_digest_entries_of(kv_args, plan),
         )
 
 
@@ -523,16 +512,8 @@ def _send_draft_entries(self, send: DraftSend, session, src_pages, dst_pages) ->
     dst_pages = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
     if src_pages.size != dst_pages.size:
         raise _LocalFailure(f"{src_pages.size} prefill pages for {dst_pages.size} decode pages")
-    if kv_digest_send.digest_of(self) is not None:
-        memo = transfer_chunk.memo()  # the chunk's pages, checked once for its decode ranks
-        checked = ("pages checked", src_pages.tobytes(), send.page_bound)
-        if checked not in memo:
-            send.check_pages(src_pages)  # the digest reads the pool at these pages
-            memo[checked] = True
-        registration = self.decode_kv_args_table.get(session)
-        # the blocks are built on the digest thread, from the memo the chunk's sends share
-        kv_digest_send.add_blocks(self, _current_room(self), session, registration,
-                                  lambda: _digest_blocks(send, src_pages, dst_pages, memo))  # fmt: skip
+    # the pool rows the plan writes (entries shared by decode ranks holding the same heads)
+    kv_digest_send.add_draft_blocks(self, session, send, src_pages, dst_pages, send.digest)
     staging = send.staging
     packing = send.regime is Regime.PACK_SOURCE and staging is not None
     if not packing:  # a packed regime without staging (none could be built) goes per token row
@@ -540,31 +521,6 @@ def _send_draft_entries(self, send: DraftSend, session, src_pages, dst_pages) ->
     packs = _chunk_packs(self, staging)
     return send_packed(self, send, staging, send.head_slice, session, src_pages, dst_pages,
                        packs, transfer_chunk.written())  # fmt: skip
-
-
-def _digest_blocks(send: DraftSend, src_pages, dst_pages, memo=None):
-    """The KV digest's blocks of this send: the pool rows the plan writes, at their decode slots.
-    Decode ranks holding the same heads share their digest entries (interned at registration),
-    so within a chunk their blocks are built once (and digested once: ``kv_digest_send``).
-    ``memo``: the sending worker's chunk memo (this runs on the digest thread)."""
-    if send.digest is None:
-        return None
-    memo = transfer_chunk.memo() if memo is None else memo
-    key = ("digest blocks", id(send.digest), src_pages.tobytes(), dst_pages.tobytes())
-    blocks = memo.get(key)
-    if blocks is None:
-        blocks = memo[key] = digest_blocks_of(send.digest, src_pages, dst_pages)
-    return blocks
-
-
-_interned_digest_entries: dict = {}
-_interned_lock = threading.Lock()
-
-
-def _interned(entries: DigestEntries) -> DigestEntries:
-    key = tuple(a.tobytes() if isinstance(a, np.ndarray) else a for a in entries)
-    with _interned_lock:
-        return _interned_digest_entries.setdefault(key, entries)
 
 
 def transfer_skip_flags_around(original, self, info, *args, **kwargs):

@@ -505,8 +505,57 @@ class GuardStatement(Edit):
 
 
 @dataclass(frozen=True)
+class WrapStatement(Edit):
+    """Run the one statement of ``symbol`` that calls ``call`` inside ``with <context>:`` (our
+    code). ``rename`` (an argument name of that call, its new name) passes the call what the
+    ``with`` binds (``as``) instead, where the name must keep its value after the block."""
+
+    call: str = ""
+    context: str = ""
+    rename: Optional[Tuple[str, str]] = None
+
+    def _calls(self, node) -> list:
+        key = _expr_key(self.call)
+        return find_all(node, lambda n: isinstance(n, cst.Call) and _safe_key(n.func) == key)
+
+    def apply(self, module):
+        def edit(node):
+            found = [
+                s
+                for s in find_all(node, lambda n: isinstance(n, cst.SimpleStatementLine))
+                if self._calls(s)
+            ]
+            target = _the_one(found, f"statement calling `{self.call}(...)`")
+            return replace_node(node, target, self._wrap)
+
+        return at_symbol(module, self.symbol, edit)
+
+    def _wrap(self, stmt: cst.SimpleStatementLine) -> cst.With:
+        if self.rename is not None:
+            old, new = self.rename
+            call = _the_one(self._calls(stmt), f"call of `{self.call}(...)`")
+            hits = [a for a in call.args if isinstance(a.value, cst.Name) and a.value.value == old]
+            _the_one(hits, f"argument `{old}` of `{self.call}(...)`")
+            args = [a.with_changes(value=cst.Name(new)) if a in hits else a for a in call.args]
+            stmt = replace_node(stmt, call, lambda c: c.with_changes(args=args))
+        shell = cst.parse_statement(f"with {self.context}:\n    pass\n")
+        return shell.with_changes(
+            body=cst.IndentedBlock(body=[stmt.with_changes(leading_lines=())]),
+            leading_lines=stmt.leading_lines,
+        )
+
+    def describe(self):
+        renamed = f", passing `{self.rename[1]}` for `{self.rename[0]}`" if self.rename else ""
+        return f"the statement calling `{self.call}(...)` runs in `with {self.context}`{renamed}"
+
+    def anchors(self):
+        return (self.call,)
+
+
+@dataclass(frozen=True)
 class ReplaceBody(Edit):
-    """Replace the body of the small function ``symbol`` (its docstring stays) with our code."""
+    """Replace the body of the small function ``symbol``, or of a class whose body is only
+    ``pass`` (the docstring stays), with our code."""
 
     code: str = ""
 
@@ -514,7 +563,11 @@ class ReplaceBody(Edit):
         stmts = parse_statements(self.code)
 
         def edit(node):
-            if not isinstance(node, cst.FunctionDef):
+            if isinstance(node, cst.ClassDef):
+                rest = node.body.body[1:] if _has_docstring(node.body) else node.body.body
+                if [code_of(s).strip() for s in rest] != ["pass"]:
+                    raise AnchorError(f"class `{self.symbol}` has a body; insert into it instead")
+            elif not isinstance(node, cst.FunctionDef):
                 raise AnchorError(f"`{self.symbol}` is not a function")
             keep = list(node.body.body[:1]) if _has_docstring(node.body) else []
             return node.with_changes(body=node.body.with_changes(body=keep + stmts))
@@ -595,6 +648,13 @@ class AddImport(Edit):
         ours = [(i, m) for i, m in top if m.split(".")[0] == self.module.split(".")[0]]
         candidates = ours or top
         at = next((i for i, m in candidates if m > self.module), candidates[-1][0] + 1)
+        if at == candidates[0][0]:  # first of its group: the blank line above the group is ours
+            lines = list(body[at].leading_lines)
+            blank = 0
+            while blank < len(lines) and lines[blank].comment is None:
+                blank += 1
+            new = new.with_changes(leading_lines=lines[:blank])
+            body[at] = body[at].with_changes(leading_lines=lines[blank:])
         body.insert(at, new)
         return module.with_changes(body=body)
 

@@ -22,7 +22,7 @@ from sglang_dflash_pp.tools.export_patches.cst_edits import (
     WidenCondition,
 )
 from sglang_dflash_pp.tools.export_patches.new_modules import NewModule
-from sglang_dflash_pp.tools.export_patches import stack_mooncake, stack_pp
+from sglang_dflash_pp.tools.export_patches import stack_digest, stack_mooncake, stack_pp
 from sglang_dflash_pp.tools.export_patches.pr import PR
 
 
@@ -264,13 +264,11 @@ PR_3 = PR(
 
 # -- the registry -----------------------------------------------------------------------------
 
-# PR 16 is written separately (docs/upstream/README.md, "Verifying every transferred byte").
-UNFINISHED = {
-    "16": "the composed KV digest: not in this generator yet",
-}
+UNFINISHED: Dict[str, str] = {}
 
-FINISHED = (PR_1, PR_2, PR_3B, PR_3) + stack_mooncake.PRS + stack_pp.PRS
+FINISHED = (PR_1, PR_2, PR_3B, PR_3) + stack_mooncake.PRS + stack_pp.PRS + stack_digest.PRS
 
 REGISTRY: Dict[str, PR] = {p.number: p for p in FINISHED}
-for _group in (stack_mooncake.UNFINISHED, stack_pp.UNFINISHED, UNFINISHED):
+for _group in (stack_mooncake.UNFINISHED, stack_pp.UNFINISHED, stack_digest.UNFINISHED,
+               UNFINISHED):
     REGISTRY.update({n: PR(n, unfinished=why) for n, why in _group.items() if n not in REGISTRY})

@@ -413,7 +413,7 @@ PR_6 = PR(
                 # of this rank's heads), built before the KV manager registers it.
                 kv_args.draft_kv_source = with_pack_staging(
                     kv_args.draft_kv_source,
-                    self.token_to_kv_pool.page_size,
+                    draft_kv_pool.page_size,
                     get_parallel().attn_tp_size,
                     get_parallel().attn_tp_rank,
                 )
