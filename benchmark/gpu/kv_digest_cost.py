@@ -13,7 +13,7 @@ sides. Per decode rank:
   0.5.23's ``MooncakeKVManager._send_kvcache_generic`` builds (legacy batch path: one
   ``batch_transfer_sync`` per decode rank, one descriptor per layer per page run contiguous on
   both sides, the layers paired with the decode's entries by layer id);
-* draft entries (K and V of the 6 draft layers): ``mooncake_draft_kv._digest_blocks`` of the
+* draft entries (K and V of the 6 draft layers): ``kv_digest_send.draft_blocks`` of the
   ``DraftSend`` the registration hook builds from the plugin's verdict (``peer_verdict``), i.e.
   ``draft_kv_digest.digest_blocks_of``: the decode's head in strided rows, one block per entry and
   page run;
@@ -28,7 +28,8 @@ What runs, per chunk (``send_path``): the worker-chunk scope (``transfer_chunk.b
 chunk's KV-written event as its ``wait_event``), then for each decode rank the MLA descriptors
 through ``kv_digest_send.scope`` + ``batch_transfer_sync_around`` (the hook on Mooncake's
 ``batch_transfer_sync``: ``BufferTable.blocks`` resolves the destinations, ``add_blocks`` queues),
-the draft's ``check_pages`` + ``add_blocks(_digest_blocks(...))`` as ``_send_draft_entries`` does,
+the draft's ``kv_digest_send.add_draft_blocks`` (its pages checked, the blocks built on the
+digest thread) as ``_send_draft_entries`` does,
 on the last chunk the state descriptors through a STATE scope; then ``flush(manager)``: one
 ``DigestEngine.digest`` (``DeviceDigest``, the Triton kernel) for all 8 decode ranks and the sums
 added to the rooms' contributions. The manager is a ``SimpleNamespace`` holding what these
@@ -487,14 +488,8 @@ class SendPath:
                 with kds.scope(m, session, None):  # send_kvcache_around's stock target send
                     kds.batch_transfer_sync_around(move, self.mooncake, session, *self.mla[r])
                 send = self.sends[r]
-                if kds.digest_of(m) is not None:  # _send_draft_entries' digest part
-                    memo = mdk.transfer_chunk.memo()
-                    checked = ("pages checked", self.src_pages.tobytes(), send.page_bound)
-                    if checked not in memo:
-                        send.check_pages(self.src_pages)
-                        memo[checked] = True
-                    kds.add_blocks(m, mdk._current_room(m), session, m.decode_kv_args_table.get(session),
-                                   lambda send=send: mdk._digest_blocks(send, self.src_pages, self.dst_pages, memo))  # fmt: skip
+                # _send_draft_entries' digest part
+                kds.add_draft_blocks(m, session, send, self.src_pages, self.dst_pages, send.digest)
                 if link_bps is not None:  # the draft's own transfer (no digest scope)
                     kds.batch_transfer_sync_around(move, self.mooncake, session, [0], [0],
                                                    [self.draft_bytes[r]])  # fmt: skip
@@ -518,9 +513,13 @@ class SendPath:
     def draft_bytes(self):
         if not hasattr(self, "_draft_bytes"):
             self._draft_bytes = {
-                r: self.mdk._digest_blocks(self.sends[r], self.src_pages, self.dst_pages, {}).total_bytes
+                r: self._draft_blocks(r).total_bytes
                 for r in self.g.decode_ranks}  # fmt: skip
         return self._draft_bytes
+
+    def _draft_blocks(self, r):
+        """Decode rank ``r``'s draft blocks as the draft send's digest builds them."""
+        return self.kds.draft_blocks(self.sends[r].digest, self.src_pages, self.dst_pages, {})
 
     def blocks(self, last):
         """The blocks the hooks queue per decode rank (as ``_Scope.add`` and the draft send
@@ -529,7 +528,7 @@ class SendPath:
         for r in self.g.decode_ranks:
             kv, state = self.kds.tables_of(self.regs[r])
             parts = [kv.blocks(*(np.asarray(a, np.int64) for a in self.mla[r])),
-                     self.mdk._digest_blocks(self.sends[r], self.src_pages, self.dst_pages)]
+                     self._draft_blocks(r)]
             if last:
                 parts.append(state.blocks(*(np.asarray(a, np.int64) for a in self.state[r])))
             out[r] = parts
@@ -1185,8 +1184,8 @@ def run(args):
                    "drained after each sample; shipped_*: per chunk, for the 8 decode ranks, "
                    "mooncake_draft_kv.begin_chunk (the chunk's KV-written event as wait_event), the target MLA descriptors through "
                    "kv_digest_send.scope + batch_transfer_sync_around (BufferTable.blocks, "
-                   "add_blocks), the draft's DraftSend.check_pages + add_blocks(mooncake_draft_kv."
-                   "_digest_blocks), on the last chunk the KDA state descriptors through a STATE "
+                   "add_blocks), the draft's kv_digest_send.add_draft_blocks (DraftSend.check_pages, "
+                   "add_blocks(draft_blocks)), on the last chunk the KDA state descriptors through a STATE "
                    "scope, then kv_digest_send.flush (one DigestEngine.digest: DeviceDigest table "
                    "fill, one H2D, launch, D2H, stream synchronize; the sums into the rooms' "
                    "Contributions); add_blocks_flush: add_blocks of prebuilt blocks + flush. "
