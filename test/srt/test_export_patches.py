@@ -93,6 +93,8 @@ def test_one_commit_per_finished_pr_titled_and_described_from_the_stack(exported
         assert subject == rows[pr].title
         assert " ".join(rows[pr].description().split()[:8]) in " ".join(body.split())
         assert body.rstrip().endswith(TRAILER)
+        for path, names in exported.report.prs[expected.index(pr)].tests.items():
+            assert f"- new {path}\n" in body and all(f"    {n}\n" in body for n in names), body
     stop = exported.report.stop
     nxt = list(rows)[len(expected)]
     assert stop.kind == "unfinished" and stop.pr == nxt
@@ -169,11 +171,9 @@ def test_the_moved_tests_pass_on_the_patched_tree_without_the_plugin(exported):
     run = verify.run_moved_tests(exported.root)
     assert run.returncode == 0, run.output
     assert run.from_tree and run.hooks == [] and run.plugin_modules == [], run.sglang_file
-    collected = {}
-    for node in run.collected:
-        path, name = node.split("::", 1)
-        collected.setdefault(path, set()).add(name.split("[", 1)[0])
-    assert collected == {p: set(names) for p, names in moved.items()}
+    assert {p: sorted(n) for p, n in run.by_file().items()} == {
+        p: sorted(n) for p, n in moved.items()
+    }
     assert run.passed == run.collected and len(run.collected) >= sum(map(len, moved.values()))
     print(f"moved tests: {sum(map(len, moved.values()))} tests in {len(moved)} files "
           f"({len(run.collected)} cases) passed on the patched tree; per PR {per_pr}",

@@ -127,7 +127,12 @@ def _verify(report, log) -> bool:
             f"collected passed ({want} test functions in {len(moved)} files moved)"
             + ("" if run.from_tree and not run.hooks and not run.plugin_modules
                else " (NOT the stock patched tree: plugin or other sglang seen)"))
+        same = {p: sorted(n) for p, n in run.by_file().items()} == {
+            p: sorted(n) for p, n in moved.items()
+        }
+        if not same:
+            log(f"pytest collected {run.by_file()}, not the moved tests {moved}")
         if not run.ok:
             log(run.output)
-        ok = ok and run.ok
+        ok = ok and run.ok and same
     return ok

@@ -175,15 +175,22 @@ def commit_message(pr: PR, row: StackRow, changes: List[FileChange]) -> str:
             lines.append(textwrap.fill(e, width=72, initial_indent="    ",
                                        subsequent_indent="      ", break_on_hyphens=False))
     parts.append("\n".join(lines))
-    moved = [c for c in changes if c.tests]
+    moved = {t.target: t for t in pr.tests}
     if moved:
-        lines = ["Tests moved with it (generated; CPU unit tests, registered for CPU CI, run "
-                 "with pytest):"]
-        for c in moved:
-            lines.append(f"- new {c.path}: {len(c.tests)} test(s)")
-            for e in c.edits:
-                lines.append(textwrap.fill(e, width=72, initial_indent="    ",
-                                           subsequent_indent="      ", break_on_hyphens=False))
+        lines = ["Tests moved with it (generated; CPU unit tests registered for CPU CI):"]
+        for c in changes:
+            if not c.tests:
+                continue
+            t = moved[c.path]
+            lines.append(f"- new {c.path}")
+            lines.append(f"  from sglang-dflash-pp {t.source}:")
+            lines += [f"    {name}" for name in c.tests]
+            left = [n for n in t.drop if n.startswith("test")]
+            if left:
+                lines.append(textwrap.fill(
+                    f"({len(left)} more test(s) of that file stay in sglang-dflash-pp: they "
+                    "test its plugin or need its test helpers)",
+                    width=72, initial_indent="  ", subsequent_indent="  "))
         parts.append("\n".join(lines))
     parts.append(
         textwrap.fill(

@@ -227,6 +227,17 @@ class MovedTestRun:
     def passed(self) -> List[str]:
         return [n for n in self.collected if self.outcomes.get(n) == "passed"]
 
+    def by_file(self) -> Dict[str, List[str]]:
+        """The collected tests per file, parametrized cases counted once (``test_x``,
+        ``Class::test_x``): what to compare with the tests the generator moved."""
+        out: Dict[str, List[str]] = {}
+        for node in self.collected:
+            path, name = node.split("::", 1)
+            name = name.split("[", 1)[0]
+            if name not in out.setdefault(path, []):
+                out[path].append(name)
+        return out
+
     @property
     def ok(self) -> bool:
         clean = self.from_tree and not self.hooks and not self.plugin_modules
