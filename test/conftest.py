@@ -1,6 +1,9 @@
-"""Suite-wide policy: a skipped test does not count as passing (house rule 3)."""
+"""Suite-wide policy: a skipped test does not count as passing (house rule 3). And the one
+session-wide fixture both the export-patches tests and the patched-tree e2e test read."""
 
 from __future__ import annotations
+
+import pytest
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -13,3 +16,12 @@ def pytest_sessionfinish(session, exitstatus):
             red=True,
         )
         session.exitstatus = 1
+
+
+@pytest.fixture(scope="session")
+def exported_series(tmp_path_factory):
+    """The in-tree patch series on a copy of the installed sglang, generated once per session
+    (``test/patch_series.py``)."""
+    import patch_series
+
+    return patch_series.generate(str(tmp_path_factory.mktemp("export")))

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
 import sys
 
 import pytest
@@ -99,22 +98,18 @@ if _dir:
 
 
 @pytest.fixture(scope="module")
-def patched(e2e_root, tmp_path_factory):
-    """The series generated onto a copy of the installed sglang; it must reach PR 16."""
-    from sglang_dflash_pp.tools.export_patches import generator
-
-    root = str(tmp_path_factory.mktemp("patched_tree"))
-    tree = os.path.join(root, "tree", "sglang")
-    installed = os.path.dirname(os.path.abspath(__import__("sglang").__file__))
-    shutil.copytree(installed, tree, symlinks=True)
-    log = []
-    report = generator.export(tree, os.path.join(root, "series"), log=log.append)
+def patched(exported_series, tmp_path_factory):
+    """The series generated onto a copy of the installed sglang (once per session:
+    ``test/patch_series.py``, shared with test_export_patches); it must reach PR 16."""
+    report = exported_series.report
     done = [r.pr for r in report.prs]
     if LAST_PR not in done:
         pytest.fail(
             f"the generated series does not reach PR {LAST_PR}: it holds PRs "
             f"{', '.join(done) or 'none'} and {report.stop.message}"
         )
+    tree = exported_series.tree  # <root>/python/sglang, at the series' HEAD
+    root = str(tmp_path_factory.mktemp("patched_tree"))
     guard = os.path.join(root, "guard")
     os.makedirs(guard)
     with open(os.path.join(guard, "sitecustomize.py"), "w") as f:

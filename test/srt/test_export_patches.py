@@ -1,12 +1,16 @@
 """``sglang-dflash-pp export-patches``: the change as an in-tree patch series on sglang 0.5.23.
 
-The generator runs once per session on a copy of the installed wheel's ``sglang/`` package (a
-scratch git repository is made there) and the tests read what it did:
+The generator runs once per session on a copy of the installed wheel's ``sglang/`` package laid
+out as sglang's repository (``<root>/python/sglang``; a scratch git repository is made at the
+root; ``test/patch_series.py``, shared with the patched-tree e2e test) and the tests read what it
+did:
 
 * one commit per finished PR, in the stack's order, titled and described from
   ``docs/upstream/README.md``; every PR of the stack is finished (16 is the last);
 * ``git format-patch`` of the commits is the series: applied to the base it gives the same tree;
 * the report's line counts are git's;
+* the unit tests that move with their PRs (``test/registered/...``, registered for sglang's CPU
+  CI) pass on the patched tree, run by pytest without the plugin, every moved test collected;
 * every prefix of the series imports the modules it touched, in a subprocess with the copy
   first on ``sys.path`` and no plugin (``verify``: a whitelist naming no plugin, an import hook
   refusing ours, ``load_plugins()`` called as a server does, then no hook and no module of ours);
@@ -31,7 +35,6 @@ import subprocess
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import pytest
 
@@ -68,16 +71,11 @@ def finished_prefix():
     return out
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """The generator on a copy of the installed sglang (bytecode kept: copy2 keeps mtimes)."""
-    root = tmp_path_factory.mktemp("export")
-    tree = os.path.join(root, "tree", "sglang")
-    shutil.copytree(INSTALLED, tree, symlinks=True)
-    out = os.path.join(root, "series")
-    log = []
-    report = generator.export(tree, out, log=log.append)
-    return SimpleNamespace(tree=tree, out=out, report=report, log="\n".join(log))
+@pytest.fixture
+def exported(exported_series):
+    """The series on a copy of the installed sglang, generated once per session
+    (``test/conftest.py``): ``root`` the scratch repository, ``tree`` its ``python/sglang``."""
+    return exported_series
 
 
 # -- the series ------------------------------------------------------------------------------
@@ -95,6 +93,8 @@ def test_one_commit_per_finished_pr_titled_and_described_from_the_stack(exported
         assert subject == rows[pr].title
         assert " ".join(rows[pr].description().split()[:8]) in " ".join(body.split())
         assert body.rstrip().endswith(TRAILER)
+        for path, names in exported.report.prs[expected.index(pr)].tests.items():
+            assert f"- new {path}\n" in body and all(f"    {n}\n" in body for n in names), body
     # every PR of the stack, in its order: PR 6 after PR 15, PR 16 last
     assert expected == list(rows) and len(expected) == 17 and expected[-3:] == ["15", "6", "16"]
     stop = exported.report.stop
@@ -108,15 +108,17 @@ def test_one_commit_per_finished_pr_titled_and_described_from_the_stack(exported
         subject = " ".join(re.search(r"^Subject: (.*(?:\n .*)*)", text, re.M).group(1).split())
         assert subject.endswith(rows[pr].title)
         assert "diff --git a/python/sglang/" in text  # sglang's repository layout
+        for path in exported.report.prs[expected.index(pr)].tests:
+            assert f"diff --git a/{path} b/{path}" in text  # tests move with their PR
     assert os.path.isfile(os.path.join(exported.out, "report.json"))
 
 
 def test_the_patches_rebuild_the_patched_tree_from_the_base(exported, tmp_path):
     env = dict(os.environ, GIT_INDEX_FILE=str(tmp_path / "index"))
-    git(exported.tree, "read-tree", exported.report.base, env=env)
+    git(exported.root, "read-tree", exported.report.base, env=env)
     patches = [os.path.join(exported.out, p) for p in sorted(exported.report.patches)]
-    git(exported.tree, "apply", "--cached", "-p3", *patches, env=env)  # a/python/sglang/...
-    rebuilt = git(exported.tree, "write-tree", env=env)
+    git(exported.root, "apply", "--cached", *patches, env=env)  # a/python/sglang/..., a/test/...
+    rebuilt = git(exported.root, "write-tree", env=env)
     assert rebuilt == git(exported.tree, "rev-parse", "HEAD^{tree}")
     assert git(exported.tree, "status", "--porcelain", "--untracked-files=no") == ""
 
@@ -127,15 +129,16 @@ def test_the_report_counts_what_git_counts_and_each_pr_touches_its_files(exporte
         git_counts = {}
         for line in numstat.splitlines():
             a, d, path = line.split("\t")
-            git_counts["python/sglang/" + path] = (int(a), int(d))
+            git_counts[path] = (int(a), int(d))
         assert {f.path: (f.added, f.removed) for f in r.files} == git_counts
         pr = stack.REGISTRY[r.pr]
         declared = {"python/sglang/" + e.file for e in pr.edits} | {
             "python/sglang/" + m.file for m in pr.new_modules
-        }
+        } | {t.target for t in pr.tests}
         assert set(git_counts) == declared
-        new = {"python/sglang/" + m.file for m in pr.new_modules}
+        new = {"python/sglang/" + m.file for m in pr.new_modules} | {t.target for t in pr.tests}
         assert {f.path for f in r.files if f.new} == new
+        assert {f.path for f in r.files if f.test} == set(r.tests) == {t.target for t in pr.tests}
         a, d, n = r.upstream
         assert f"= upstream code +{a} -{d} in {n} file(s)" in exported.log
         # a few lines of ours per upstream function: at most 50 per PR and file (PR 16 edits
@@ -158,6 +161,43 @@ def test_every_prefix_imports_its_touched_modules_without_the_plugin(exported):
         "sglang.srt.distributed.device_communicators.mooncake_transfer_engine",
     } <= set(checks[-1].modules)
     assert git(exported.tree, "rev-parse", "HEAD").strip() == exported.report.prs[-1].commit
+
+
+def test_the_moved_tests_pass_on_the_patched_tree_without_the_plugin(exported):
+    """Every test the series moved in-tree, run by pytest over the scratch repository's
+    ``test/registered`` with the patched ``python/`` first on the path, ``SGLANG_PLUGINS`` naming
+    no plugin and an import hook refusing ours: each passes, pytest collects exactly the tests
+    the generator reports moving (per file; parametrized cases counted once), none imported
+    sglang_dflash_pp, and sglang's own CI collector accepts each file's registration."""
+    from sglang.test.ci.ci_register import collect_tests
+
+    moved = exported.report.moved_tests
+    per_pr = {r.pr: sum(map(len, r.tests.values())) for r in exported.report.prs if r.tests}
+    assert {"3b", "6", "9", "12"} <= set(per_pr), per_pr
+    for path in moved:
+        assert path.startswith("test/registered/unit/"), path
+    run = verify.run_moved_tests(exported.root)
+    assert run.returncode == 0, run.output
+    assert run.from_tree and run.hooks == [] and run.plugin_modules == [], run.sglang_file
+    assert {p: sorted(n) for p, n in run.by_file().items()} == {
+        p: sorted(n) for p, n in moved.items()
+    }
+    assert run.passed == run.collected and len(run.collected) >= sum(map(len, moved.values()))
+    print(f"moved tests: {sum(map(len, moved.values()))} tests in {len(moved)} files "
+          f"({len(run.collected)} cases) passed on the patched tree; per PR {per_pr}",
+          file=sys.stderr)
+    registries = collect_tests([os.path.join(exported.root, p) for p in moved])
+    assert [(r.suite, r.est_time > 0) for r in registries] == [("base-a-test-cpu", True)] * len(
+        moved
+    )
+    # the registration sits right after the imports, as sglang's files place it
+    for path in moved:
+        with open(os.path.join(exported.root, path)) as f:
+            text = f.read()
+        assert re.search(r"^from sglang\.test\.ci\.ci_register import register_cpu_ci\n\n"
+                         r"register_cpu_ci\(est_time=\d+, suite=\"base-a-test-cpu\"\)\n", text,
+                         re.M), path
+        assert "sglang_dflash_pp" not in text and "sys.path" not in text, path
 
 
 SPOT_5 = r"""
@@ -335,36 +375,31 @@ def _resolve_on_tree(tree_dir, cases, tmp_path):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_dflash_pp_prs_apply_in_memory_and_are_inert_without_the_plugin(tmp_path, model_dirs):
-    """PRs 8 onwards wait in the export for the Mooncake group (PRs 5 to 7): every finished PR of
-    the stack, in order, applied in memory to a copy of the installed wheel and written, then
-    checked in a subprocess with the tree first and no plugin: each touched module imports, and
-    each PR acts only on a DFLASH PP prefill."""
+def test_dflash_pp_prs_are_inert_without_the_plugin_on_the_exported_commits(
+    exported, tmp_path, model_dirs
+):
+    """PRs 8 to 15 on the exported series, checked out at PR 13's and at PR 15's commit (the
+    stack's order puts PR 6 after them), each in a subprocess with the tree first and no
+    plugin: every module the PRs up to 15 touched imports, and each PR acts only on a DFLASH PP
+    prefill; the gate refuses DFLASH PP2 as stock does before PR 14 and serves it after."""
     from sglang_dflash_pp.tools.export_patches import stack_pp
 
-    tree_dir = os.path.join(tmp_path, "tree", "sglang")
-    shutil.copytree(INSTALLED, tree_dir, symlinks=True)
-    tree, moved, modules = generator.Tree(tree_dir), {}, []
-    rows = read_stack(default_stack_doc())
     ours = [p.number for p in stack_pp.PRS]
     assert ours == ["8", "9", "10", "11", "12", "13", "14", "15"]
-    before_gate = None
-    for number, row in rows.items():
-        pr = stack.REGISTRY[number]
-        if not pr.finished:
-            continue
-        if number == "14":  # PRs 8 to 13 applied: DFLASH with PP is still refused as stock
-            before_gate = _resolve_on_tree(tree_dir, _gate_cases(model_dirs), tmp_path)
-        changes, _ = generator.plan_pr(pr, row.title, tree, moved)
-        tree.write(changes)
-        moved.update({m.source: m.module for m in pr.new_modules})
-        modules += [m for m in pr.touched_modules() if m not in modules]
-        if number == ours[-1]:
-            break
+    done = [r.pr for r in exported.report.prs]
+    assert set(ours) <= set(done), exported.report.stop.message
+    modules = []
+    for r in exported.report.prs[: done.index(ours[-1]) + 1]:
+        modules += [m for m in r.modules if m not in modules]
+    with _at_pr(exported, "13") as tree_dir:  # PRs 8 to 13: DFLASH with PP is still refused
+        before_gate = _resolve_on_tree(tree_dir, _gate_cases(model_dirs), tmp_path)
     code = verify._PRELUDE + "\nimport importlib\nfor _m in %r:\n    importlib.import_module(_m)\n" % (
         modules,
     ) + DFLASH_PP_CHECKS + "\nprint('PLUGIN_STATE ' + json.dumps(_plugin_state()))\n"
-    r = verify._run(code, [], verify.tree_env(tree_dir), timeout=300)
+    with _at_pr(exported, ours[-1]) as tree_dir, ThreadPoolExecutor(2) as pool:
+        checks = pool.submit(verify._run, code, [], verify.tree_env(tree_dir), timeout=300)
+        gate = pool.submit(_resolve_on_tree, tree_dir, _gate_cases(model_dirs), tmp_path)
+        r, after = checks.result(), gate.result()
     out, state = verify._tagged(r.stdout, "PP_CHECK"), verify._tagged(r.stdout, "PLUGIN_STATE")
     assert out is not None and state is not None, r.stderr[-3000:]
     assert os.path.realpath(state["sglang_file"]).startswith(os.path.realpath(tree_dir))
@@ -387,9 +422,7 @@ def test_dflash_pp_prs_apply_in_memory_and_are_inert_without_the_plugin(tmp_path
     assert none is None and inside == [1, 2] and "KV-write-only" in refused and dummy
     # PR 14: the gate accepts DFLASH PP2 on a Mooncake PD prefill, and refuses naming the fix
     stock = "only supports pp_size == 1"
-    assert before_gate is not None
     assert all(stock in o.get("error", "") for o in before_gate.values()), before_gate
-    after = _resolve_on_tree(tree_dir, _gate_cases(model_dirs), tmp_path)
     assert "resolved" in after["served"], after["served"]
     assert after["served"]["resolved"]["pp_size"] == 2
     assert "--disaggregation-transfer-backend mooncake" in after["nixl"]["error"]
@@ -431,8 +464,9 @@ def test_each_bug_fix_pr_fixes_its_reproduction_on_the_patched_tree(exported, tm
 
 
 def fake_tree(root, runner_method=True, skip_call=True):
-    """A tiny stand-in tree (our own text): PR 1's and PR 2's symbols, anchors as requested."""
-    pkg = os.path.join(root, "sglang")
+    """A tiny stand-in tree (our own text) in sglang's layout (``tree/python/sglang``): PR 1's
+    and PR 2's symbols, anchors as requested. Returns the package directory."""
+    pkg = os.path.join(root, "tree", "python", "sglang")
     os.makedirs(os.path.join(pkg, "srt", "model_executor"))
     os.makedirs(os.path.join(pkg, "srt", "managers"))
     open(os.path.join(pkg, "__init__.py"), "w").close()
@@ -490,20 +524,39 @@ def test_check_reports_what_applies_and_writes_nothing(tmp_path, capsys):
                      r"SchedulerPPMixin._pp_make_skip_output_result: ", printed)
     # PR 3b's files are absent here: reported as files, not as a crash
     assert "python/sglang/srt/disaggregation/prefill.py: <module>: no such file" in printed
-    assert not os.path.exists(os.path.join(pkg, ".git"))
+    assert not os.path.exists(os.path.join(tmp_path, "tree", ".git"))
     after = {p: open(os.path.join(d, p)).read() for d, _, fs in os.walk(pkg) for p in fs}
     assert after == before
 
 
 def test_a_dirty_tree_is_refused(tmp_path, capsys):
     pkg = fake_tree(tmp_path)
-    git(pkg, "init", "-q")
-    git(pkg, "add", "-A")
-    git(pkg, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base")
+    root = os.path.join(tmp_path, "tree")
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base")
     with open(os.path.join(pkg, "__init__.py"), "w") as f:
         f.write("x = 1\n")
-    assert cli.main(["export-patches", "--sglang-src", pkg, "--out", str(tmp_path / "o")]) == 2
+    assert cli.main(["export-patches", "--sglang-src", root, "--out", str(tmp_path / "o")]) == 2
     assert "uncommitted changes" in capsys.readouterr().out
+
+
+def test_a_package_outside_sglangs_layout_is_refused_naming_the_layout(tmp_path, capsys):
+    """The old mode (a bare copy of the wheel's ``sglang/``) has no place for the tests: refused
+    with the layout to use; so is a package inside a repository that is not its root."""
+    pkg = fake_tree(tmp_path)
+    bare = os.path.join(tmp_path, "bare", "sglang")
+    shutil.copytree(pkg, bare)
+    assert cli.main(["export-patches", "--sglang-src", bare, "--out", str(tmp_path / "o")]) == 2
+    printed = capsys.readouterr().out
+    assert "outside sglang's repository layout" in printed
+    assert "hint: lay the tree out as sglang's repository" in printed
+    assert "cp -r \"$SGLANG\" /tmp/tree/python/sglang" in printed
+    assert not os.path.exists(os.path.join(tmp_path, "bare", ".git"))
+    root = os.path.join(tmp_path, "tree")
+    git(str(tmp_path), "init", "-q")  # the tree is now inside a repository rooted above it
+    assert cli.main(["export-patches", "--sglang-src", root, "--out", str(tmp_path / "o")]) == 2
+    assert "is not its root" in capsys.readouterr().out
 
 
 # -- the registry ----------------------------------------------------------------------------
@@ -514,8 +567,7 @@ def test_the_registry_covers_the_stack_and_finished_prs_are_a_prefix():
     assert set(rows) == set(stack.REGISTRY)
     finished = [p for p in rows if stack.REGISTRY[p].finished]
     # The export stops before the first unfinished PR, so a PR finished after it waits for it
-    # (the DFLASH x PP group is written while the Mooncake group is); those are applied in
-    # memory by test_dflash_pp_prs_apply_in_memory_and_are_inert_without_the_plugin.
+    # (and is in no exported commit the tests could check out).
     prefix = finished_prefix()
     assert finished[: len(prefix)] == prefix
     for p in rows:
@@ -733,6 +785,38 @@ def test_new_module_moves_our_code_without_the_glue():
     # a module importing one no PR moved yet is refused
     with pytest.raises(AnchorError, match="which no PR up to this one moves in-tree"):
         NewModule("sglang_dflash_pp.srt.disaggregation.transfer_chunk").render({})
+
+
+def test_new_test_moves_our_test_and_refuses_what_needs_this_repository():
+    """A moved test: imports rewritten to the in-tree modules (``from pkg import module`` too),
+    the dropped tests and the imports only they used gone, the ``sys.path`` edit for our
+    harness gone, the CI registration after the imports and the ``__main__`` entry at the end.
+    A test that still imports a helper of this repository or the plugin is refused, naming
+    the import."""
+    from sglang_dflash_pp.tools.export_patches.new_tests import NewTest
+
+    fence = "sglang_dflash_pp.srt.disaggregation.kv_write_fence"
+    moved = {fence: "sglang.srt.disaggregation.kv_write_fence"}
+    pr = stack.REGISTRY["3b"]
+    (t,) = pr.tests
+    text, names = t.render(moved)
+    assert names == ("test_record_kv_written_is_a_no_op_without_streams",
+                     "test_record_kv_written_attaches_one_event_to_every_request")
+    assert "\nfrom sglang.srt.disaggregation import kv_write_fence\n" in text
+    assert "sender_shell" not in text and "harness" not in text and "sys.path" not in text
+    assert "import numpy" not in text and "noqa" not in text
+    assert text.rstrip().endswith('sys.exit(pytest.main([__file__, "-v"]))')
+    assert 'register_cpu_ci(est_time=5, suite="base-a-test-cpu")' in text
+    keep_harness = NewTest(t.source, t.target, est_time=5)
+    helper = "imports \\['test_draft_kv_mooncake'\\], test-only helpers"
+    with pytest.raises(AnchorError, match=helper):
+        keep_harness.render(moved)
+    plugin_tool = NewTest("test/srt/test_qkv_kv_heads.py",
+                          "test/registered/unit/disaggregation/test_qkv_kv_heads.py", est_time=5)
+    with pytest.raises(AnchorError, match="sglang_dflash_pp.tools.qkv_kv_heads"):
+        plugin_tool.render({})
+    with pytest.raises(AnchorError, match="not a test_\\*.py under test/registered/"):
+        NewTest(t.source, "test/srt/test_kv_write_fence.py", est_time=5).render(moved)
 
 
 def test_cli_lists_export_patches():

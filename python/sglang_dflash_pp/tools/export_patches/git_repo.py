@@ -1,10 +1,12 @@
 """The scratch git repository the series is committed in, and ``git format-patch`` of it.
 
-The tree is an sglang package directory (the one holding ``srt/``): a copy of the installed
-wheel's ``sglang/``, or ``python/sglang`` of a git checkout. When the directory is in no git work
-tree, one is made there and the tree as found becomes the base commit. Patch paths are written
-as in sglang's repository (``python/sglang/srt/...``), whatever the scratch repository's root, so
-the series applies with ``git am`` on a checkout.
+The repository has sglang's own layout: code under ``python/sglang/``, tests under
+``test/registered/``. It is a checkout of sglang (its root, or its ``python/sglang``), or a
+directory laid out the same way around a copy of the installed wheel's package
+(``<root>/python/sglang``). When the root is in no git work tree, one is made there and the tree
+as found becomes the base commit. A package directory not under ``python/`` is refused: the
+patches would not say where the tests go. Paths in the patches are the repository's own, so the
+series applies with ``git am`` on a checkout.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import os
 import re
 import subprocess
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from sglang_dflash_pp.tools.export_patches.errors import ExportError
 
 UPSTREAM_PACKAGE_PATH = "python/sglang"  # the package's path in sglang's repository
+UPSTREAM_TEST_PATH = "test/registered"  # where sglang's repository keeps its registered tests
 FALLBACK_IDENTITY = {
     "GIT_AUTHOR_NAME": "sglang-dflash-pp export-patches",
     "GIT_AUTHOR_EMAIL": "export-patches@sglang-dflash-pp.invalid",
@@ -25,20 +28,46 @@ FALLBACK_IDENTITY = {
     "GIT_COMMITTER_EMAIL": "export-patches@sglang-dflash-pp.invalid",
 }
 TRAILER = "Generated-by: sglang-dflash-pp export-patches"
+LAYOUT_HINT = (
+    "lay the tree out as sglang's repository and pass its root: "
+    "mkdir -p /tmp/tree/python && cp -r \"$SGLANG\" /tmp/tree/python/sglang && "
+    "sglang-dflash-pp export-patches --sglang-src /tmp/tree ... "
+    "(SGLANG: the installed package, python -c 'import os, sglang; "
+    "print(os.path.dirname(sglang.__file__))'), or pass a checkout of sglang"
+)
+
+
+def _is_package(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, "srt")) and os.path.isfile(
+        os.path.join(path, "__init__.py")
+    )
+
+
+def find_tree(src: str) -> Tuple[str, str]:
+    """``(root, package_dir)`` of ``src``: a root holding ``python/sglang``, or that package
+    directory itself (its root two levels up)."""
+    src = os.path.abspath(src)
+    if _is_package(os.path.join(src, *UPSTREAM_PACKAGE_PATH.split("/"))):
+        return src, os.path.join(src, *UPSTREAM_PACKAGE_PATH.split("/"))
+    if _is_package(src):
+        parent = os.path.dirname(src)
+        if os.path.basename(src) == "sglang" and os.path.basename(parent) == "python":
+            return os.path.dirname(parent), src
+        raise ExportError(
+            f"{src} is an sglang package outside sglang's repository layout (it is not "
+            f"<root>/python/sglang): the series puts code under python/sglang/ and tests under "
+            f"{UPSTREAM_TEST_PATH}/ of one root",
+            hint=LAYOUT_HINT,
+        )
+    raise ExportError(
+        f"{src} is not an sglang tree (no python/sglang with srt/ and __init__.py under it)",
+        hint=LAYOUT_HINT,
+    )
 
 
 def find_package_dir(src: str) -> str:
-    """The sglang package directory of ``src``: ``src`` itself or ``src/python/sglang``."""
-    src = os.path.abspath(src)
-    for cand in (src, os.path.join(src, "python", "sglang"), os.path.join(src, "sglang")):
-        if os.path.isdir(os.path.join(cand, "srt")) and os.path.isfile(
-            os.path.join(cand, "__init__.py")
-        ):
-            return cand
-    raise ExportError(
-        f"{src} is not an sglang tree (no srt/ and __init__.py there, nor under python/sglang)",
-        hint="pass the copied wheel's sglang/ directory, or a checkout of sglang",
-    )
+    """The sglang package directory of ``src`` (see :func:`find_tree`)."""
+    return find_tree(src)[1]
 
 
 def tree_version(package_dir: str) -> Optional[str]:
@@ -54,16 +83,24 @@ def tree_version(package_dir: str) -> Optional[str]:
 
 @dataclass(frozen=True)
 class NumStat:
-    path: str  # as in sglang's repository: python/sglang/...
+    path: str  # as in sglang's repository: python/sglang/..., test/registered/...
     added: int
     removed: int
     new: bool
 
 
+# what a commit of the series may touch, relative to the root
+SERIES_PATHS = (UPSTREAM_PACKAGE_PATH, UPSTREAM_TEST_PATH)
+
+
 class ScratchRepo:
-    def __init__(self, package_dir: str):
-        self.package_dir = package_dir
-        self.root = self._toplevel(package_dir)
+    """The git repository of a tree laid out as sglang's (``root``: where ``python/sglang``
+    is); ``path`` is the root or any directory under it."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        top = self._toplevel(self.path)
+        self.root = top
         self._env: Optional[Dict[str, str]] = None
 
     @staticmethod
@@ -79,7 +116,7 @@ class ScratchRepo:
             env = dict(os.environ)
             for key in ("user.name", "user.email"):
                 if subprocess.run(
-                    ["git", "config", key], cwd=self.package_dir, capture_output=True
+                    ["git", "config", key], cwd=self.root or self.path, capture_output=True
                 ).returncode:
                     env.update(FALLBACK_IDENTITY)
                     break
@@ -88,7 +125,7 @@ class ScratchRepo:
 
     def git(self, *args: str, input: Optional[str] = None) -> str:
         r = subprocess.run(
-            ["git", *args], cwd=self.root or self.package_dir, capture_output=True, text=True,
+            ["git", *args], cwd=self.root or self.path, capture_output=True, text=True,
             input=input, env=self.env,
         )
         if r.returncode:
@@ -99,9 +136,10 @@ class ScratchRepo:
     # -- setup ---------------------------------------------------------------------------
 
     def ensure(self, version: Optional[str], log) -> None:
-        """A git work tree holding the package, with nothing uncommitted in the package."""
+        """A git work tree whose root is the tree's root, with nothing uncommitted in
+        ``python/sglang`` or ``test/registered``."""
         if self.root is None:
-            self.root = self.package_dir
+            self.root = self.path
             self.git("init", "-q")
             with open(os.path.join(self.root, ".git", "info", "exclude"), "a") as f:
                 f.write("__pycache__/\n*.pyc\n")  # a copied wheel may hold bytecode
@@ -109,10 +147,18 @@ class ScratchRepo:
             self.git("commit", "-q", "-m", f"sglang {version or '(unknown version)'} as found")
             log(f"initialised a git repository at {self.root}; base commit: the tree as found")
             return
-        dirty = self.git("status", "--porcelain", "--untracked-files=no", "--", self.rel)
+        if os.path.realpath(self.root) != os.path.realpath(self.path):
+            raise ExportError(
+                f"{self.path} is inside the git repository {self.root} but is not its root: "
+                f"the series' paths ({UPSTREAM_PACKAGE_PATH}/..., {UPSTREAM_TEST_PATH}/...) "
+                "are the root's",
+                hint="copy the tree to a directory in no repository (python/sglang under it), "
+                "or pass a checkout of sglang",
+            )
+        dirty = self.git("status", "--porcelain", "--untracked-files=no", "--", *SERIES_PATHS)
         if dirty.strip():
             raise ExportError(
-                f"{self.package_dir} has uncommitted changes:\n{dirty.rstrip()}",
+                f"{self.root} has uncommitted changes:\n{dirty.rstrip()}",
                 hint="commit or discard them first; the series is committed on top of HEAD",
             )
         last = self.git("log", "-1", "--format=%B") if self.has_commits() else ""
@@ -128,25 +174,23 @@ class ScratchRepo:
             capture_output=True,
         ).returncode == 0
 
-    @property
-    def rel(self) -> str:
-        """The package directory relative to the repository root (``.`` when it is the root)."""
-        return os.path.relpath(self.package_dir, self.root)
-
     def head(self) -> str:
         return self.git("rev-parse", "HEAD").strip()
 
     # -- commits -------------------------------------------------------------------------
 
-    def commit(self, message: str) -> str:
-        self.git("add", "-A", "--", self.rel)
+    def commit(self, message: str, paths: Sequence[str]) -> str:
+        """Commit ``paths`` (relative to the root: what the PR wrote)."""
+        self.git("add", "-A", "--", *paths)
         self.git("commit", "-q", "-F", "-", input=message)
         return self.head()
 
-    def discard(self) -> None:
-        """Drop what an unfinished PR wrote (the tree stays at the last commit)."""
-        self.git("checkout", "-q", "--", self.rel)
-        self.git("clean", "-q", "-f", "--", self.rel)
+    def discard(self, paths: Sequence[str]) -> None:
+        """Drop what an unfinished PR wrote to ``paths`` (the tree stays at the last commit)."""
+        tracked = self.git("ls-files", "--", *paths).split()
+        if tracked:
+            self.git("checkout", "-q", "--", *tracked)
+        self.git("clean", "-q", "-f", "--", *paths)
 
     def numstat(self, commit: str) -> List[NumStat]:
         status = {}
@@ -156,33 +200,16 @@ class ScratchRepo:
         stats = []
         for line in self.git("diff", "--numstat", f"{commit}^", commit).splitlines():
             added, removed, path = line.split("\t", 2)
-            stats.append(
-                NumStat(self.upstream_path(path), int(added), int(removed), status[path] == "A")
-            )
+            stats.append(NumStat(path, int(added), int(removed), status[path] == "A"))
         return stats
-
-    def upstream_path(self, repo_path: str) -> str:
-        return self.prefix + repo_path
-
-    @property
-    def prefix(self) -> str:
-        """What puts a path of this repository at its place in sglang's repository."""
-        rel = self.rel.replace(os.sep, "/")
-        if rel == ".":
-            return UPSTREAM_PACKAGE_PATH + "/"
-        if UPSTREAM_PACKAGE_PATH == rel or UPSTREAM_PACKAGE_PATH.endswith("/" + rel):
-            return UPSTREAM_PACKAGE_PATH[: -len(rel)]
-        return ""
 
     def format_patch(self, base: str, out: str) -> List[str]:
         os.makedirs(out, exist_ok=True)
         for name in os.listdir(out):
             if re.match(r"^\d{4}-.*\.patch$", name):
                 os.remove(os.path.join(out, name))
-        p = self.prefix
         files = self.git(
-            "format-patch", "--no-signature", f"--src-prefix=a/{p}", f"--dst-prefix=b/{p}",
-            "-o", os.path.abspath(out), f"{base}..HEAD",
+            "format-patch", "--no-signature", "-o", os.path.abspath(out), f"{base}..HEAD"
         )
         return [os.path.basename(f) for f in files.split()]
 

@@ -99,10 +99,29 @@ class _Rewrite(cst.CSTTransformer):
         if updated.relative or updated.module is None:
             return updated
         name = code_of(updated.module)
+        if name not in self.moved and not isinstance(updated.names, cst.ImportStar):
+            sub = self._submodules(name, updated.names)
+            if sub is not None:
+                return sub(updated)
         new = self._map(name)
         if new != name:
             updated = updated.with_changes(module=cst.parse_expression(new))
         return updated
+
+    def _submodules(self, package: str, aliases):
+        """``from our.package import a, b`` where ``a`` and ``b`` are moved modules of one
+        in-tree package: ``from in_tree.package import a2 [as a], ...``."""
+        targets = [self.moved.get(f"{package}.{code_of(a.name)}") for a in aliases]
+        if None in targets or len({t.rsplit(".", 1)[0] for t in targets}) != 1:
+            return None
+        parent = targets[0].rsplit(".", 1)[0]
+        names = []
+        for a, t in zip(aliases, targets):
+            local = a.asname.name.value if a.asname is not None else code_of(a.name)
+            base = t.rsplit(".", 1)[1]
+            asname = None if local == base else cst.AsName(name=cst.Name(local))
+            names.append(a.with_changes(name=cst.Name(base), asname=asname))
+        return lambda node: node.with_changes(module=cst.parse_expression(parent), names=names)
 
     def leave_Import(self, original, updated):
         names = [

@@ -1,5 +1,6 @@
-"""One PR of the stack as the generator has it: its in-tree edits and new modules, or why it
-has none yet. The registry (:mod:`.stack`) lists them; the groups' own modules define them."""
+"""One PR of the stack as the generator has it: its in-tree edits, new modules and the tests
+that move with them, or why it has none yet. The registry (:mod:`.stack`) lists them; the
+groups' own modules define them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Optional, Tuple
 
 from sglang_dflash_pp.tools.export_patches.cst_edits import Edit
 from sglang_dflash_pp.tools.export_patches.new_modules import NewModule
+from sglang_dflash_pp.tools.export_patches.new_tests import NewTest
 
 
 @dataclass(frozen=True)
@@ -15,6 +17,8 @@ class PR:
     number: str
     edits: Tuple[Edit, ...] = ()
     new_modules: Tuple[NewModule, ...] = ()
+    # our unit tests of this PR's code, moved in-tree (test/registered/...) with it
+    tests: Tuple[NewTest, ...] = ()
     note: str = ""  # our paragraph for the commit message: the choice taken, how it is tested
     bug: Optional[str] = None  # docs/upstream/bugs/<bug>/repro.py prints the right answer after it
     # keys of that repro's ``observed`` it cannot show fixed on a patched tree (it exercises them

@@ -22,6 +22,7 @@ from sglang_dflash_pp.tools.export_patches.cst_edits import (
     WidenCondition,
 )
 from sglang_dflash_pp.tools.export_patches.new_modules import NewModule
+from sglang_dflash_pp.tools.export_patches.new_tests import NewTest
 from sglang_dflash_pp.tools.export_patches import stack_digest, stack_mooncake, stack_pp
 from sglang_dflash_pp.tools.export_patches.pr import PR
 
@@ -92,6 +93,12 @@ pack of the KV before it is sent) waits on the same events (:func:`cuda_event_of
 
 Inert on a device without streams (a CPU forward is synchronous). Torch only at import."""
 
+KV_WRITE_FENCE_TEST_DOC = """\
+The fence between a PP stage's forward and the transfer that reads its KV
+(``disaggregation/kv_write_fence.py``): where no stream exists nothing is recorded, and on CUDA
+one event, recorded on the forward's stream, is attached to every request's KV sender. A CUDA
+event cannot exist on a CPU: the event and the stream are stand-ins."""
+
 PR_3B = PR(
     "3b",
     new_modules=(
@@ -140,6 +147,22 @@ PR_3B = PR(
                     getattr(sender, "_early_send_wait_event", None), written
                 )
             """,
+        ),
+    ),
+    tests=(
+        # its sends through the real sender and transfer worker need the plugin's hooks and
+        # harness (and PR 6's packs): they stay in this repository
+        NewTest(
+            "test/srt/test_kv_write_fence.py",
+            "test/registered/unit/disaggregation/test_kv_write_fence.py",
+            est_time=5,
+            drop=(
+                "Event", "sender_shell",
+                "test_every_send_of_a_request_carries_its_latest_kv_written_event",
+                "test_stock_early_send_event_is_kept_and_both_are_waited_on",
+                "test_the_transfer_worker_waits_before_the_first_send_and_the_pack_sees_the_event",
+            ),
+            docstring=KV_WRITE_FENCE_TEST_DOC,
         ),
     ),
     note=(

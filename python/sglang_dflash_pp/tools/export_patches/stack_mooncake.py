@@ -22,6 +22,7 @@ from sglang_dflash_pp.tools.export_patches.cst_edits import (
     Stmt,
 )
 from sglang_dflash_pp.tools.export_patches.new_modules import NewModule, our_module_path
+from sglang_dflash_pp.tools.export_patches.new_tests import NewTest
 from sglang_dflash_pp.tools.export_patches.pr import PR
 
 _DISAGG = "sglang_dflash_pp.srt.disaggregation"
@@ -378,6 +379,17 @@ SEND_FILE = "srt/disaggregation/mooncake/draft_kv_send.py"  # PR 5's module
 PREFILL = "srt/disaggregation/prefill.py"
 _STAGING_CHECK = "self.kv_args.draft_kv_source is not None"
 
+DRAFT_KV_PLAN_TEST_DOC = """\
+The head-aware draft KV plan (``disaggregation/draft_kv_plan.py``), on every (prefill TP,
+decode TP, heads) combination, simulated byte by byte.
+
+Every byte of every prefill rank's draft pool gets a unique identity; the plan's descriptors (and,
+for the packed path, the real pack function of ``draft_kv_pack``) run against a tiny address
+space that, like Mooncake, refuses any range outside a registered buffer; then every decode
+rank's pool is checked: each byte of each sent page holds the right identity and was written
+exactly once, nothing else was written, and the bytes moved equal the decode rank's own draft
+bytes. No server, no transfer engine."""
+
 PR_6 = PR(
     "6",
     new_modules=(
@@ -488,6 +500,17 @@ PR_6 = PR(
             if packs is not None:  # the transfer worker's chunk packs (draft_kv_packed_send)
                 return packs.send(manager, send, session, src_pages, dst_pages)
             """,
+        ),
+    ),
+    tests=(
+        # PR 4's plan and geometry, with the pack function this PR adds; the check that the
+        # plugin's pure modules import without sglang stays in this repository
+        NewTest(
+            "test/srt/test_draft_kv_plan.py",
+            "test/registered/unit/disaggregation/test_draft_kv_plan.py",
+            est_time=30,
+            drop=("test_pure_modules_import_without_sglang",),
+            docstring=DRAFT_KV_PLAN_TEST_DOC,
         ),
     ),
     note=(

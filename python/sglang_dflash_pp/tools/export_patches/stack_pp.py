@@ -17,6 +17,7 @@ from sglang_dflash_pp.tools.export_patches.cst_edits import (
     WidenCondition,
 )
 from sglang_dflash_pp.tools.export_patches.new_modules import NewModule
+from sglang_dflash_pp.tools.export_patches.new_tests import NewTest
 from sglang_dflash_pp.tools.export_patches.pr import PR
 
 # -- PR 8 ------------------------------------------------------------------------------------
@@ -71,6 +72,15 @@ pair entries by id, as they do for the hybrid pools. So, only on a DFLASH PP pre
 
 Every other configuration, and any pool that already reports ids, is unchanged."""
 
+MHA_LAYER_IDS_TEST_DOC = """\
+Plain-MHA targets (Llama, Qwen3, ...) with a DFLASH draft on a PP prefill: how a stage's transfer
+entries pair with the decode's (``disaggregation/mha_layer_ids.py``).
+
+The oracle for pairing is by name: every entry is labelled with what it holds (``K2``, ``V2``,
+``dK0``, ...) on each side, from the order the pools are registered in (target pool K per layer
+then V per layer, then the draft pool's K then V); a correct pairing maps every prefill entry to
+the decode entry with the same label."""
+
 PR_9 = PR(
     "9",
     new_modules=(
@@ -117,6 +127,23 @@ PR_9 = PR(
             if mismatch is not None:
                 return False, mismatch
             """,
+        ),
+    ),
+    tests=(
+        # the pairing itself; the registration verdicts and the send hooks of the same file
+        # exercise the plugin's hooks and stay in this repository
+        NewTest(
+            "test/srt/test_mha_transfer_entries.py",
+            "test/registered/unit/disaggregation/test_mha_layer_ids.py",
+            est_time=5,
+            drop=(
+                "_mha_pool", "_sides",
+                "test_build_kv_layer_ids_is_stock_outside_a_dflash_pp_prefill",
+                "test_head_sliced_path_sends_the_draft_by_our_plan",
+                "test_target_path_follows_sglangs_dispatch_and_refuses_staging",
+                "test_send_kvcache_slice_hook_is_stock_without_a_draft_verdict",
+            ),
+            docstring=MHA_LAYER_IDS_TEST_DOC,
         ),
     ),
     note=(
@@ -365,6 +392,13 @@ PR_12 = PR(
                 if load_group is _DEFAULT_LOAD_GROUP and build.load_group is not None:
                     load_group = build.load_group
             """,
+        ),
+    ),
+    tests=(
+        NewTest(
+            "test/srt/test_capture_ownership.py",
+            "test/registered/unit/models/test_dflash_capture_ownership.py",
+            est_time=10,
         ),
     ),
     note=(

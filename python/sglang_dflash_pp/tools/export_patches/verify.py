@@ -12,6 +12,10 @@ on ``sys.path``, the tree's package directory must be named ``sglang``) and neve
   registered hook and every imported module of ours (both must be empty), and where ``sglang``
   came from (must be the tree).
 
+:func:`run_moved_tests` runs the tests the series moved in-tree (``test/registered/``) the same
+way: ``pytest`` in a subprocess on the patched tree, a pytest plugin of its own installing the
+import hook and reporting each test's outcome and the plugin state at the end.
+
 Bytecode goes to the tree's ``__pycache__`` (ignored by sglang's ``.gitignore``, and by the
 scratch repository the generator makes), or to ``cache_dir`` (``PYTHONPYCACHEPREFIX``) when given.
 """
@@ -187,6 +191,91 @@ def verify_prefixes(package_dir: str, prs: Sequence, cache_dir: Optional[str] = 
         for name, tb in check.errors.items():
             log(f"  {name}:\n{tb}")
     return out
+
+
+# A pytest plugin (written to a temporary directory, named with -p): the import hook, each
+# collected test and its outcome, and the plugin state when the session ends.
+_PYTEST_PLUGIN = _PRELUDE + r"""
+_out = {"collected": [], "outcomes": {}}
+
+def pytest_collection_finish(session):
+    _out["collected"] = [item.nodeid for item in session.items]
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" or report.outcome != "passed":
+        _out["outcomes"].setdefault(report.nodeid, report.outcome)
+
+def pytest_sessionfinish(session, exitstatus):
+    _out.update(_plugin_state())
+    with open(os.environ["EXPORT_PATCHES_TEST_RESULT"], "w") as f:
+        json.dump(_out, f)
+"""
+
+
+@dataclass
+class MovedTestRun:
+    returncode: int
+    collected: List[str]  # node ids, relative to the root: test/registered/...::test_x[...]
+    outcomes: Dict[str, str]  # node id -> passed | failed | skipped
+    sglang_file: str
+    hooks: List[str]
+    plugin_modules: List[str]
+    from_tree: bool
+    output: str
+
+    @property
+    def passed(self) -> List[str]:
+        return [n for n in self.collected if self.outcomes.get(n) == "passed"]
+
+    def by_file(self) -> Dict[str, List[str]]:
+        """The collected tests per file, parametrized cases counted once (``test_x``,
+        ``Class::test_x``): what to compare with the tests the generator moved."""
+        out: Dict[str, List[str]] = {}
+        for node in self.collected:
+            path, name = node.split("::", 1)
+            name = name.split("[", 1)[0]
+            if name not in out.setdefault(path, []):
+                out[path].append(name)
+        return out
+
+    @property
+    def ok(self) -> bool:
+        clean = self.from_tree and not self.hooks and not self.plugin_modules
+        return clean and self.returncode == 0 and len(self.passed) == len(self.collected) > 0
+
+
+def run_moved_tests(root: str, paths: Sequence[str] = ("test/registered",),
+                    cache_dir: Optional[str] = None, timeout: float = 600) -> MovedTestRun:
+    """``pytest`` over ``paths`` (relative to the root) on the patched tree, without the plugin.
+    Run from a temporary directory (hypothesis keeps its database in the working directory),
+    with the root as pytest's rootdir and no cache written to the tree."""
+    package_dir = os.path.join(root, *"python/sglang".split("/"))
+    env = tree_env(package_dir, cache_dir)
+    with tempfile.TemporaryDirectory(prefix="export-patches-tests-") as tmp:
+        with open(os.path.join(tmp, "export_patches_no_plugin.py"), "w") as f:
+            f.write(_PYTEST_PLUGIN)
+        result = os.path.join(tmp, "result.json")
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], tmp])
+        env["EXPORT_PATCHES_TEST_RESULT"] = result
+        r = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "export_patches_no_plugin",
+             "-p", "no:cacheprovider", "-p", "no:warnings", "--rootdir", root, "-c", os.devnull,
+             *[os.path.join(root, p) for p in paths]],
+            env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp,
+        )
+        if not os.path.isfile(result):
+            raise ExportError(
+                f"pytest on the patched tree did not finish (exit {r.returncode}):\n"
+                f"{(r.stdout + r.stderr)[-3000:]}"
+            )
+        with open(result) as f:
+            out = json.load(f)
+    return MovedTestRun(
+        returncode=r.returncode, collected=out["collected"], outcomes=out["outcomes"],
+        sglang_file=out["sglang_file"], hooks=out["hooks"],
+        plugin_modules=out["plugin_modules"], from_tree=_from_tree(out, package_dir),
+        output=(r.stdout + r.stderr)[-6000:],
+    )
 
 
 def docs_bug_dir() -> str:
