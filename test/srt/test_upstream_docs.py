@@ -118,3 +118,29 @@ def test_coverage_check_catches_a_hook_without_a_page():
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
     )
     assert not os.path.isfile(page_for(rel))
+
+
+def test_every_upstream_file_the_series_changes_has_a_page_naming_its_commits():
+    """Each upstream file a PR of the generated series edits has its page, and the page's
+    "In the generated series" section is the one the registry and the stack document give now:
+    the commits (by subject) that change the file, in the series' order, and what each does there
+    (``python -m sglang_dflash_pp.tools.export_patches.pages --write`` rewrites it)."""
+    from sglang_dflash_pp.tools.export_patches import pages, stack
+
+    touched = pages.touched_files()
+    edited = {e.file for pr in stack.FINISHED for e in pr.edits}
+    created = {m.file for pr in stack.FINISHED for m in pr.new_modules}
+    assert set(touched) == edited - created and len(touched) >= 20
+    stale = []
+    for file, prs in touched.items():
+        path = page_for(file)
+        assert os.path.isfile(path), f"no page for {file}: run pages --write"
+        text = open(path).read()
+        if pages.section(file) not in text:
+            stale.append(os.path.relpath(path, DOCS))
+        for n, _ in prs:  # the PR's commit, as the series names it
+            assert f"**PR {n}: " in text, (file, n)
+    assert not stale, f"stale series sections (run pages --write): {stale}"
+    # the mooncake page names every Mooncake PR's commit, PR 16's included
+    conn = open(page_for("srt/disaggregation/mooncake/conn.py")).read()
+    assert all(f"**PR {n}: " in conn for n in ("4", "5", "7", "9", "6", "16"))
