@@ -209,7 +209,8 @@ class NewModule:
         still = _dropped_references(tree, dropped)
         if still:
             raise AnchorError(f"{self.source} still refers to dropped {sorted(still)}")
-        text = tree.code
+        # one newline at the end, as git likes it (dropped glue may leave a blank line)
+        text = tree.code.rstrip("\n") + "\n"
         if OUR_PACKAGE in text:
             raise AnchorError(
                 f"the in-tree {self.module} would still name {OUR_PACKAGE}; give it an in-tree "
