@@ -199,16 +199,7 @@ class NewModule:
         # imports that only the dropped glue used (PluginHook, ...)
         unused = (before_drop - after_drop) & _imported_names(tree)
         tree = tree.visit(_DropImports(unused))
-        rewrite = _Rewrite(moved)
-        tree = tree.visit(rewrite)
-        if rewrite.unmoved:
-            raise AnchorError(
-                f"{self.source} imports {sorted(rewrite.unmoved)}, which no PR up to this one "
-                "moves in-tree"
-            )
-        still = _dropped_references(tree, dropped)
-        if still:
-            raise AnchorError(f"{self.source} still refers to dropped {sorted(still)}")
+        tree = rewrite_in_tree(tree, self.source, moved, dropped)
         # one newline at the end, as git likes it (dropped glue may leave a blank line)
         text = tree.code.rstrip("\n") + "\n"
         if OUR_PACKAGE in text:
@@ -221,6 +212,24 @@ class NewModule:
     def describe(self) -> str:
         drop = f", without {', '.join(self.drop)}" if self.drop else ""
         return f"new module from our `{self.source}`{drop}"
+
+
+def rewrite_in_tree(tree: cst.Module, source: str, moved: Dict[str, str], dropped: Set[str],
+                    hint: str = "") -> cst.Module:
+    """``tree`` (our module ``source``, its glue ``dropped``) with its imports of our modules
+    rewritten to their in-tree names; refuses one that imports a module no PR up to this one
+    moves, or still refers to what was dropped."""
+    rewrite = _Rewrite(moved)
+    tree = tree.visit(rewrite)
+    if rewrite.unmoved:
+        raise AnchorError(
+            f"{source} imports {sorted(rewrite.unmoved)}, which no PR up to this one moves "
+            f"in-tree{hint}"
+        )
+    still = _dropped_references(tree, dropped)
+    if still:
+        raise AnchorError(f"{source} still refers to dropped {sorted(still)}")
+    return tree
 
 
 def _imported_names(module: cst.Module) -> Set[str]:

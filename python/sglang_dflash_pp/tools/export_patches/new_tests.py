@@ -30,12 +30,11 @@ from sglang_dflash_pp.tools.export_patches.new_modules import (
     OUR_PACKAGE,
     PACKAGE_DIR,
     _defined_name,
-    _dropped_references,
     _DropImports,
     _imported_names,
-    _Rewrite,
     _used_names,
     _with_docstring,
+    rewrite_in_tree,
 )
 
 REPO_DIR = os.path.dirname(os.path.dirname(PACKAGE_DIR))  # this repository's root
@@ -249,16 +248,8 @@ class NewTest:
                 f"{self.source} imports {helpers}, test-only helpers of this repository that "
                 "no PR moves in-tree; drop the tests that use them"
             )
-        rewrite = _Rewrite(moved)
-        tree = tree.visit(rewrite)
-        if rewrite.unmoved:
-            raise AnchorError(
-                f"{self.source} imports {sorted(rewrite.unmoved)}, which no PR up to this one "
-                "moves in-tree; drop the tests that use them, or move the test with a later PR"
-            )
-        still = _dropped_references(tree, dropped)
-        if still:
-            raise AnchorError(f"{self.source} still refers to dropped {sorted(still)}")
+        tree = rewrite_in_tree(tree, self.source, moved, dropped,
+                               "; drop the tests that use them, or move the test with a later PR")
         tree = _with_registration(tree, self.est_time, self.suite)
         text = tree.code
         if OUR_PACKAGE in text:
