@@ -157,7 +157,7 @@ def _fail(manager, room: int, session: str, error: BaseException) -> None:
 class _Pending:
     """One chunk's blocks not digested yet, and the sums it already digested. Its jobs run on
     the digest thread, in order; ``last``: a room's last chunk, digested in several engine calls
-    during its own transfers (:func:`batch_transfer_sync_around`), the rest at its status.
+    during its own transfers (:func:`digest_transfer`), the rest at its status.
     ``inline``: the synchronous design, the chunk resolved and digested by the threads that send
     it (the benchmark's comparison; nothing in serving sets it)."""
 
