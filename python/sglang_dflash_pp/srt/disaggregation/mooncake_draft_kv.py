@@ -373,22 +373,12 @@ def _room_failed(self) -> bool:
 
 
 def _fail_room(self, session: str, error: BaseException) -> int:
-    """Conclude the chunk's room as failed for a local error and keep the session healthy;
-    outside a worker chunk (no room to fail) report a failure code."""
-    room = _current_room(self)
+    """Conclude the chunk's room as failed for a local error and keep the session healthy
+    (``draft_kv_send.fail_room``); outside a worker chunk (no room to fail) report a failure
+    code."""
     logger.error("DFlash draft KV send to decode %s failed on this prefill: %r", session, error,
                  exc_info=not isinstance(error, _LocalFailure))  # fmt: skip
-    if room is None:
-        return -1
-    self.conclude_failure(
-        bootstrap_room=room,
-        failure_reason=(
-            f"DFlash draft KV send of room {room} to decode {session} failed on prefill rank "
-            f"{getattr(self, 'attn_tp_rank', '?')} (pp rank {getattr(self, 'pp_rank', '?')}): "
-            f"{error}"
-        ),
-    )
-    return 0
+    return draft_kv_send.fail_room(self, _current_room(self), session, error)
 
 
 def _managed_send(self, session, dst_kv_ptrs, send_all) -> int:
