@@ -14,6 +14,7 @@ make. A file without a page (one only a bug fix touches) gets a short page of it
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
@@ -31,10 +32,11 @@ def page_of(file: str) -> str:
     return os.path.join(DOCS, file[: -len(".py")] + ".md")
 
 
+@functools.lru_cache(maxsize=1)
 def touched_files() -> "OrderedDict[str, List[Tuple[str, List[str]]]]":
     """Upstream file -> [(PR, its edits' descriptions there)], in the series' order; files an
     earlier PR of the series created (our new modules) are not upstream files."""
-    rows = read_stack(default_stack_doc())
+    rows = _rows()
     created: set = set()
     out: "OrderedDict[str, List[Tuple[str, List[str]]]]" = OrderedDict()
     for n in rows:
@@ -53,12 +55,18 @@ def touched_files() -> "OrderedDict[str, List[Tuple[str, List[str]]]]":
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _rows():
+    """The stack document's rows, read once per process (every page's section needs them)."""
+    return read_stack(default_stack_doc())
+
+
 def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
 def section(file: str, prs: Optional[List[Tuple[str, List[str]]]] = None) -> str:
-    rows = read_stack(default_stack_doc())
+    rows = _rows()
     prs = touched_files()[file] if prs is None else prs
     guide = os.path.relpath(os.path.join(DOCS, "export-patches.md"), os.path.dirname(page_of(file)))
     lines = [
