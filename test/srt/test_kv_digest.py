@@ -724,6 +724,51 @@ def test_buffer_table_resolves_addresses():
         )
 
 
+
+def _per_list(tables, srcs, dsts, lengths):
+    """The oracle: each list resolved alone by its own table (``BufferTable.blocks``)."""
+    return kd.Blocks.concat([t.blocks(s, d, n) for t, s, d, n in zip(tables, srcs, dsts, lengths)])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_descriptor_lists_resolved_together_equal_each_resolved_alone(seed):
+    """Decode ranks are other processes: their registered addresses overlap from table to table
+    (here they are drawn from one range), a table may serve several lists, and one list may be
+    empty; resolving every list in one pass gives each list's blocks exactly, in order."""
+    rng = np.random.default_rng(seed)
+    tables = []
+    for i in range(int(rng.integers(1, 9))):
+        bases = rng.choice(1 << 20, int(rng.integers(1, 12)), replace=False) * 4096 + (1 << 44)
+        tables.append(BufferTable(BufferKind(1 + i % 2), bases.tolist(), first_slot=int(rng.integers(0, 40))))
+    use = [tables[int(rng.integers(len(tables)))] for _ in range(int(rng.integers(1, 20)))]
+    srcs, dsts, lengths = [], [], []
+    for t in use:
+        n = int(rng.integers(0, 50))
+        dsts.append((t.bases[rng.integers(0, len(t), n)] + rng.integers(0, 4096, n) * 4).tolist())
+        srcs.append(rng.integers(0, 1 << 40, n).tolist())
+        lengths.append((rng.integers(1, 1000, n) * 4).tolist())
+    resolver = kd.ListResolver()
+    for _ in range(2):  # the joined tables made, then reused
+        got, ends = resolver.resolve(use, srcs, dsts, lengths)
+        want = _per_list(use, srcs, dsts, lengths)
+        assert all((a == b).all() for a, b in zip(got, want))
+        assert ends.tolist() == np.cumsum([len(s) for s in srcs]).tolist()
+
+
+def test_descriptor_lists_past_the_joined_range_or_below_every_buffer():
+    """Addresses at or past 2**52 are resolved list by list (the same blocks); a destination
+    below its own table's buffers is refused even where another table's buffers lie below it."""
+    high = BufferTable(BufferKind.KV, [1 << 60, (1 << 60) + 4096])
+    low = BufferTable(BufferKind.KV, [4096, 8192], first_slot=2)
+    args = ([high, low], [[1, 2], [3]], [[(1 << 60) + 4100, (1 << 60) + 8], [8196]], [[4, 8], [12]])
+    got, ends = kd.ListResolver().resolve(*args)
+    want = _per_list(*args)
+    assert all((a == b).all() for a, b in zip(got, want)) and ends.tolist() == [2, 3]
+    assert got.slot.tolist() == [1, 0, 3] and got.dst.tolist() == [4, 8, 4]
+    other = BufferTable(BufferKind.KV, [1 << 30], first_slot=0)
+    with pytest.raises(ValueError, match="below every decode buffer"):
+        kd.ListResolver().resolve([low, other], [[1], [2]], [[4096], [4096]], [[4], [4]])
+
 # == 5. the decode's messages =================================================================
 
 

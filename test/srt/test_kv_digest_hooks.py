@@ -430,3 +430,38 @@ def test_begin_chunk_counts_the_rooms_decode_ranks_from_sglangs_transfer_infos()
             assert kv_digest_send._pending().ranks == want and kv_digest_send._pending().last
     finally:
         kv_digest_send.end_chunk(manager)
+
+
+def test_a_descriptor_below_its_decodes_buffers_fails_its_room_and_the_rest_is_digested():
+    """The chunk's descriptor lists are resolved together; one whose destination lies below
+    its decode's buffers (but above another decode's) fails the room naming why, and the other
+    decode rank's sums are still those of its bytes."""
+    import numpy as np
+
+    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks, BufferKind, buffer_key
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import digest_blocks_host
+    from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
+
+    src = np.random.default_rng(9).integers(0, 256, 512, dtype=np.uint8)
+    failures, sent = [], []
+    regs, manager = _chunk_manager(DigestEngine("cpu"), failures, sent)
+    regs["d1"] = types.SimpleNamespace(dst_kv_ptrs=[1 << 42], dst_state_data_ptrs=[])
+    original, _ = _recording()
+    manager.request_status[3] = KVPoll.Transferring
+    mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(room=3, wait_event=None,
+                                                                 is_last_chunk=True))  # fmt: skip
+    try:
+        for s, dst in (("d0", 1 << 40), ("d1", (1 << 41) + 64)):  # d1's: below its 2**42
+            with kv_digest_send.scope(manager, s, None):
+                kv_digest_send.batch_transfer_sync_around(original, manager.engine, s,
+                                                          [src.ctypes.data], [dst], [256])  # fmt: skip
+        assert kv_digest_send.flush(manager)
+    finally:
+        mooncake_draft_kv.end_chunk()
+    assert [f["bootstrap_room"] for f in failures] == [3]
+    assert "d1" in failures[0]["failure_reason"] and "below every decode buffer" in failures[0]["failure_reason"]
+    keys = [buffer_key(BufferKind.KV, 0)]
+    want = digest_blocks_host(Blocks.of([src.ctypes.data], [0], 256, 0), keys)
+    assert manager._dflash_kv_digest.pop(3, "d0").sums == {(1, 0): int(want[0])}
+    assert manager._dflash_kv_digest.pop(3, "d1").sums == {}

@@ -41,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import hashlib
+import itertools
 import struct
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, NamedTuple, Sequence, Tuple
@@ -228,6 +229,90 @@ class BufferTable:
     def blocks(self, src, dst, length) -> Blocks:
         index, offset = self.resolve(dst)
         return Blocks.of(src, offset, length, index + self.first_slot)
+
+
+# Tables resolved together are told apart by this bit and above of a shifted address (every
+# registered address lies below it: 4 PiB, over the 47- to 52-bit virtual addresses of x86-64,
+# CUDA and arm64); more tables than fit, or an address past it, resolve one list at a time.
+_TABLE_SHIFT = 52
+_MAX_TABLES = (1 << (63 - _TABLE_SHIFT)) - 1
+
+
+class _Joined(NamedTuple):
+    """Several tables' sorted bases in one array, table ``t``'s shifted by ``t << 52``."""
+
+    tables: Tuple[BufferTable, ...]
+    keys: np.ndarray  # shifted sorted bases
+    bases: np.ndarray  # the same, unshifted
+    slots: np.ndarray  # the slot of each
+    starts: np.ndarray  # where each table's bases begin in ``keys``
+
+
+def _joined(tables: Tuple[BufferTable, ...]) -> _Joined:
+    keys = [t._sorted + (i << _TABLE_SHIFT) for i, t in enumerate(tables)]
+    return _Joined(
+        tables,
+        np.concatenate(keys),
+        np.concatenate([t._sorted for t in tables]),
+        np.concatenate([t._order + t.first_slot for t in tables]),
+        np.cumsum([0] + [len(t) for t in tables[:-1]]).astype(np.int64),
+    )
+
+
+class ListResolver:
+    """Resolves many descriptor lists, each against its own decode's table, in a few numpy passes
+    rather than a few per list: what one digest of a chunk's sends (8 decode ranks' target and
+    state lists) costs the host (``benchmark/gpu/results``). Keeps the joined tables of the last
+    few sets of tables it resolved against (a prefill sends every chunk to the same decodes)."""
+
+    _CACHED = 32
+
+    def __init__(self):
+        self._joined: Dict[Tuple[int, ...], _Joined] = {}
+
+    def resolve(self, tables: Sequence[BufferTable], srcs: Sequence[Sequence[int]],
+                dsts: Sequence[Sequence[int]], lengths: Sequence[Sequence[int]]
+                ) -> Tuple[Blocks, np.ndarray]:  # fmt: skip
+        """The blocks of list ``i`` (``srcs[i]``, ``dsts[i]``, ``lengths[i]``, one row each,
+        destinations resolved against ``tables[i]``) in list order, and each list's end row.
+        Equal to ``Blocks.concat(tables[i].blocks(...) for i)``; raises ValueError as
+        :meth:`BufferTable.resolve` does."""
+        counts = [len(s) for s in srcs]
+        ends = np.cumsum(counts, dtype=np.int64)
+        total = int(ends[-1]) if counts else 0
+        src = np.fromiter(itertools.chain.from_iterable(srcs), np.int64, total)
+        dst = np.fromiter(itertools.chain.from_iterable(dsts), np.int64, total)
+        length = np.fromiter(itertools.chain.from_iterable(lengths), np.int64, total)
+        distinct: Dict[int, int] = {}
+        order = [distinct.setdefault(id(t), len(distinct)) for t in tables]
+        unique = tuple({id(t): t for t in tables}.values())
+        limit = 1 << _TABLE_SHIFT
+        if (not total or len(unique) > _MAX_TABLES or int(dst.min()) < 0
+                or int(dst.max()) >= limit or any(t.bases.size and int(t.bases.max()) >= limit
+                                                  for t in unique)):  # fmt: skip
+            parts, lo = [], 0
+            for t, hi in zip(tables, ends.tolist()):
+                parts.append(t.blocks(src[lo:hi], dst[lo:hi], length[lo:hi]))
+                lo = hi
+            return Blocks.concat(parts), ends
+        joined = self._joined_of(unique)
+        which = np.repeat(np.asarray(order, dtype=np.int64), counts)
+        pos = np.searchsorted(joined.keys, dst + (which << _TABLE_SHIFT), side="right") - 1
+        if (pos < joined.starts[which]).any():
+            raise ValueError("a descriptor's destination lies below every decode buffer")
+        zero = np.zeros(total, dtype=np.int64)
+        blocks = Blocks(src, dst - joined.bases[pos], length, np.ones(total, dtype=np.int64),
+                        zero, zero, joined.slots[pos])  # fmt: skip
+        return blocks, ends
+
+    def _joined_of(self, tables: Tuple[BufferTable, ...]) -> _Joined:
+        key = tuple(id(t) for t in tables)
+        j = self._joined.get(key)
+        if j is None or any(a is not b for a, b in zip(j.tables, tables)):
+            if len(self._joined) >= self._CACHED:
+                self._joined.clear()
+            j = self._joined[key] = _joined(tables)
+        return j
 
 
 # -- the host reference ---------------------------------------------------------------------

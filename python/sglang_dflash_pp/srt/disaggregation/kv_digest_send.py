@@ -10,16 +10,18 @@ decode that sees the room complete holds every sender's contribution. The decode
 ``kv_digest_verify``.
 
 Where the work runs (one :class:`_Pending` per chunk, made by :func:`begin_chunk`): on a thread
-of its own (``kv_digest_thread``), which resolves and digests a chunk while Mooncake moves its
-bytes (its transfers release the GIL); the send hooks only hand it sglang's descriptor lists and
-the draft's page lists. A middle chunk is digested in one engine call once the worker is done
-with it, during the next chunk's transfers. A room's last chunk must be read before its status
-goes out (the prefill frees the request's pages after it) and nothing after it hides the work:
-the first transfer of at least ``EAGER_DIGEST_MIN_BYTES`` to its last decode rank also has the
-thread digest the blocks of the ranks sent before (one engine call, hidden by that transfer:
-engine calls are few and large, as each costs ~0.2 ms of thread time), so at the status the
-worker waits (bounded) only for the chunk's tail, its last decode rank's blocks
-(``benchmark/gpu/results``: the cost; :meth:`_Pending.digest_during`).
+of its own (``kv_digest_thread``), while Mooncake moves bytes (its transfers release the GIL).
+The send hooks only hand it references: sglang's descriptor lists and the draft's page lists.
+The thread resolves everything queued in one pass (``kv_digest.ListResolver``: a few numpy
+calls for every decode rank's lists, not a few per list) and digests it in one engine call
+(:func:`_digest_pending`). A middle chunk is digested once the worker is done with it, during
+the next chunk's transfers. A room's last chunk must be read before its status goes out (the
+prefill frees the request's pages after it) and nothing after it hides the work: the first
+transfer of at least ``EAGER_DIGEST_MIN_BYTES`` to its last decode rank also has the thread
+digest what the ranks before it handed over (one engine call, hidden by that transfer: engine
+calls are few and large, as each costs ~0.1-0.2 ms of thread time), so at the status the worker
+waits (bounded) only for the chunk's tail, its last decode rank's sends
+(``benchmark/gpu/results``, ``benchmark/kv_digest``: the cost; :meth:`_Pending.digest_during`).
 
 Hooks (``sglang/srt/disaggregation/``):
 
@@ -48,7 +50,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -65,6 +67,7 @@ from sglang_dflash_pp.srt.disaggregation.kv_digest import (
     BufferTable,
     Contribution,
     DEFAULT_TIMEOUT_S,
+    ListResolver,
     TIMEOUT_ENV,
     Sender,
     encode,
@@ -97,6 +100,7 @@ class SendDigest:
         self._lock = threading.Lock()
         self._sums: Dict[Tuple[int, str], Tuple[tuple, np.ndarray]] = {}
         self.thread = DigestThread(f"kv-digest-{sender.describe()}")
+        self.resolver = ListResolver()  # its joined tables are this rank's decodes'
 
     def add(self, room: int, session: str, tables, sums: np.ndarray) -> None:
         with self._lock:
@@ -125,12 +129,13 @@ def digest_of(manager) -> Optional[SendDigest]:
 
 
 def _tables_and_keys(registration):
+    """(tables, their keys, their sizes) of a decode registration, made once."""
     cached = getattr(registration, _TABLES_ATTR, None)
     if cached is None:
         kv = BufferTable(BufferKind.KV, list(registration.dst_kv_ptrs))
         flat = [p for ptrs in (registration.dst_state_data_ptrs or []) for p in ptrs]
         tables = (kv, BufferTable(BufferKind.STATE, flat, first_slot=len(kv)))
-        cached = (tables, slots_of(tables))
+        cached = (tables, slots_of(tables), tuple(len(t) for t in tables))
         setattr(registration, _TABLES_ATTR, cached)
     return cached
 
@@ -154,47 +159,63 @@ def _fail(manager, room: int, session: str, error: BaseException) -> None:
     )
 
 
+class _Descriptors(NamedTuple):
+    """sglang's descriptor lists of one ``batch_transfer_sync`` (fresh lists per call in 0.5.23,
+    kept by reference) into the decode buffers of ``kind``."""
+
+    kind: BufferKind
+    src: Sequence[int]
+    dst: Sequence[int]
+    length: Sequence[int]
+
+
 class _Pending:
-    """One chunk's blocks not digested yet, and the sums it already digested. Its jobs run on
-    the digest thread, in order; ``last``: a room's last chunk, digested in several engine calls
-    during its own transfers (:func:`digest_transfer`), the rest at its status.
-    ``inline``: the synchronous design, the chunk resolved and digested by the threads that send
-    it (the benchmark's comparison; nothing in serving sets it)."""
+    """One chunk's sends not digested yet (as the send hooks handed them: sglang's descriptor
+    lists, the draft's blocks or what builds them), and the sums it already digested. They are
+    resolved and digested on the digest thread, all that is queued in one pass and one engine
+    call (:func:`_digest_pending`); ``last``: a room's last chunk, digested in several such calls
+    during its own transfers (:func:`digest_transfer`), the rest at its status. ``inline``: the
+    synchronous design, the chunk digested by the worker that sends it (the benchmark's
+    comparison; nothing in serving sets it)."""
 
     def __init__(self, last: bool = False, ranks: int = 0):
         self.last = last
         self.ranks = ranks  # decode ranks the chunk goes to (0: not known)
         self.inline = False
-        # decode sessions whose blocks were handed over since the last digest during a transfer
+        # decode sessions whose sends were handed over since the last digest during a transfer
         self.handed: set = set()
         self.manager = None
-        self.parts: List[Tuple[int, str, object, Blocks]] = []  # room, session, registration
+        self.items: List[Tuple[int, str, object, object]] = []  # room, session, registration, what
         self.written: Tuple = ()
-        # This chunk's sums per (blocks, tables) signature: a prefill rank sends the same target
-        # MLA KV, at the same offsets, to each of its decode ranks, and a draft head to each rank
-        # that holds it; whichever digest sees such a part first, the others reuse its sums
-        # (also across the engine calls of one last chunk).
+        # This chunk's sums per part signature (:func:`_signed_parts`): a prefill rank sends the
+        # same target MLA KV, at the same offsets, to each of its decode ranks, and a draft head
+        # to each rank that holds it; whichever digest sees such a part first, the others reuse
+        # its sums (also across the engine calls of one last chunk).
         self.known: Dict[Tuple, np.ndarray] = {}
-        self._lock = threading.Lock()  # sglang's executor threads queue here too
+        self._lock = threading.Lock()  # sglang's executor threads hand over here too
 
-    def queue(self, manager, room: int, session: str, registration, blocks: Blocks, written):
+    def hand(self, manager, room: int, session: str, registration, what, written) -> None:
+        """Queue one send (on the sending thread: nothing here raises into sglang's send)."""
         with self._lock:
-            if self.manager is not None and self.manager is not manager:
-                raise RuntimeError("one transfer worker digesting for two KV managers")
-            self.manager = manager
-            self.written = written or self.written
-            self.parts.append((int(room), session, registration, blocks))
+            other = self.manager is not None and self.manager is not manager
+            if not other:
+                self.manager = manager
+                self.written = written or self.written
+                self.items.append((int(room), session, registration, what))
+                self.handed.add(session)
+        if other:
+            error = RuntimeError("one transfer worker digesting for two KV managers")
+            _fail(manager, room, session, error)
 
     def take(self):
         with self._lock:
-            parts, self.parts = self.parts, []
-            taken = (parts, self.manager, self.written)
-            self.manager, self.written = None, ()
+            taken = (self.items, self.manager, self.written)
+            self.items, self.manager, self.written = [], None, ()
         return taken
 
     def digest_during(self, session: str, handed_before: set) -> bool:
         """Whether a long transfer to ``session`` should hide an engine call over what is
-        queued: on a last chunk, once every other decode rank's blocks were handed over (the
+        queued: on a last chunk, once every other decode rank's sends were handed over (the
         last rank's first long transfer: one call for the ranks before it, the rest at the
         status), or, for a single decode rank, at its second long transfer; with the ranks not
         known, at the first long transfer to each new rank."""
@@ -207,14 +228,13 @@ class _Pending:
             return session in handed_before
         return others >= 1
 
-    def run(self, manager, session: str, fn, *args) -> None:
-        """``fn(*args)`` on the digest thread (here, in the synchronous design), for blocks of
-        ``session``."""
-        self.handed.add(session)
+    def digest(self) -> None:
+        """Digest what is queued: here in the synchronous design, else on the digest thread."""
+        manager = self.manager
         if self.inline:
-            fn(*args)
-        else:
-            digest_of(manager).thread.submit(fn, *args)
+            _digest_pending(self)
+        elif manager is not None:
+            digest_of(manager).thread.submit(_digest_pending, self)
 
 
 def _pending() -> _Pending:
@@ -235,58 +255,93 @@ def _aux() -> Dict[int, List[object]]:
 
 def add_blocks(manager, room: Optional[int], session: str, registration, blocks) -> None:
     """Queue ``blocks`` (destinations already as decode offsets and slots of the registration's
-    tables; or a function that builds them, run where the chunk is digested) for the room's
-    sums of ``session``."""
+    tables; or a :class:`DraftPart` or a function that builds them, built where the chunk is
+    digested) for the room's sums of ``session``."""
     if digest_of(manager) is None or room is None:
         return
-    pending = _pending()
-    pending.run(manager, session, _queue_job, pending, manager, int(room), session, registration,
-                blocks, transfer_chunk.written())  # fmt: skip
+    _pending().hand(manager, int(room), session, registration, blocks, transfer_chunk.written())
 
 
-def _queue_job(pending, manager, room, session, registration, blocks, written) -> None:
+def _signed_parts(resolver: ListResolver, items) -> List[Tuple]:
+    """``items`` (a :meth:`_Pending.take`) as ``(room, session, registration, blocks,
+    signature)``, signatures equal for parts whose sums are equal (the same blocks over
+    registrations of the same sizes: the keys are a function of the tables' sizes,
+    ``kv_digest.buffer_key``). Blocks None: a part that failed (its error as the signature), or
+    a function that built nothing (signature None)."""
+    lists = [i for i, item in enumerate(items) if isinstance(item[3], _Descriptors)]
+    resolved = dict(zip(lists, _resolved_lists(resolver, [items[i] for i in lists])))
+    prints: Dict[int, bytes] = {}  # one fingerprint per distinct Blocks object
+    return [resolved[i] if i in resolved else _built(item, prints) for i, item in enumerate(items)]
+
+
+def _resolved_lists(resolver: ListResolver, items) -> List[Tuple]:
+    """:func:`_signed_parts` of descriptor lists, all resolved in one pass; where that raises,
+    each alone, so that a bad list fails its own room only."""
+    if not items:
+        return []
+    tables = [_table_of(reg, what.kind) for _, _, reg, what in items]
+    lists = [what for *_, what in items]
     try:
-        if callable(blocks):
-            blocks = blocks()
-        if blocks is not None and blocks.count:
-            pending.queue(manager, room, session, registration, blocks, written)
+        resolved, ends = resolver.resolve(tables, [w.src for w in lists], [w.dst for w in lists],
+                                          [w.length for w in lists])  # fmt: skip
+    except Exception:
+
+        def alone(t, w):
+            return lambda: t.blocks(*(np.asarray(a, np.int64) for a in (w.src, w.dst, w.length)))
+
+        return [_built((room, session, reg, alone(t, what)), {})
+                for (room, session, reg, what), t in zip(items, tables)]  # fmt: skip
+    rows = np.stack([resolved.src, resolved.dst, resolved.nbytes, resolved.slot])
+    out, lo = [], 0
+    for (room, session, reg, _), hi in zip(items, ends.tolist()):
+        signature = ("rows", rows[:, lo:hi].tobytes()) + _tables_and_keys(reg)[2]
+        out.append((room, session, reg, Blocks(*(c[lo:hi] for c in resolved)), signature))
+        lo = hi
+    return out
+
+
+def _built(item, prints: Dict[int, bytes]) -> Tuple:
+    """:func:`_signed_parts` of a :class:`DraftPart`, blocks, or a function that builds them."""
+    room, session, reg, what = item
+    sizes = _tables_and_keys(reg)[2]
+    try:
+        if isinstance(what, DraftPart):
+            return room, session, reg, what.blocks(), what.signature + sizes
+        if callable(what):
+            what = what()
+        if what is None:
+            return room, session, reg, None, None
+        if id(what) not in prints:
+            prints[id(what)] = what.fingerprint()
+        return room, session, reg, what, ("blocks", prints[id(what)]) + sizes
     except Exception as e:
-        _fail(manager, room, session, e)
+        return room, session, reg, None, e
 
 
-def _resolve_job(pending, manager, room, session, registration, kind, src, dst, length, written):
-    """sglang's descriptors of one send as blocks of the decode's buffer tables."""
+def _table_of(registration, kind: BufferKind) -> BufferTable:
     kv, state = tables_of(registration)
-    table = kv if kind is BufferKind.KV else state
-    try:
-        blocks = table.blocks(np.asarray(src, np.int64), np.asarray(dst, np.int64),
-                              np.asarray(length, np.int64))  # fmt: skip
-        if blocks.count:
-            pending.queue(manager, room, session, registration, blocks, written)
-    except Exception as e:
-        _fail(manager, room, session, e)
+    return kv if kind is BufferKind.KV else state
 
 
 def _digest_pending(pending: _Pending) -> None:
-    """Digest every block ``pending`` holds in one engine call (parts whose sums this chunk
-    already knows: none) and add the sums to their rooms."""
-    parts, manager, written = pending.take()
+    """Resolve and digest every send ``pending`` holds, in one engine call (parts whose sums this
+    chunk already knows: none), and add the sums to their rooms."""
+    items, manager, written = pending.take()
     digest = digest_of(manager) if manager is not None else None
-    if digest is None or not parts:
+    if digest is None or not items:
         return
-    signatures, layouts = [], []
-    prints: Dict[int, bytes] = {}  # one fingerprint per distinct Blocks object
-    todo: Dict[Tuple, Blocks] = {}
-    for room, session, registration, blocks in parts:
-        tables, reg_keys = _tables_and_keys(registration)
-        layouts.append((tables, reg_keys))
-        if id(blocks) not in prints:
-            prints[id(blocks)] = blocks.fingerprint()
-        # The keys are a function of the tables' sizes (kv_digest.buffer_key).
-        signature = (prints[id(blocks)],) + tuple(len(t) for t in tables)
-        signatures.append(signature)
+    parts = []
+    for room, session, registration, blocks, signature in _signed_parts(digest.resolver, items):
+        if blocks is None and signature is None:  # a function that built nothing
+            continue
+        if blocks is None:
+            _fail(manager, room, session, signature)
+        elif blocks.count:
+            parts.append((room, session, registration, blocks, signature))
+    todo: Dict[Tuple, Tuple[Blocks, List[int]]] = {}
+    for _, _, registration, blocks, signature in parts:
         if signature not in pending.known and signature not in todo:
-            todo[signature] = (blocks, reg_keys)
+            todo[signature] = (blocks, _tables_and_keys(registration)[1])
     if todo:
         keys: List[int] = []
         shifted, bases = [], {}
@@ -297,13 +352,13 @@ def _digest_pending(pending: _Pending) -> None:
         try:
             sums = digest.engine.digest(Blocks.concat(shifted), keys, wait_events=written)
         except Exception as e:
-            for room, session in {(r, s) for r, s, _, _ in parts}:
+            for room, session in {(r, s) for r, s, _, _, _ in parts}:
                 _fail(manager, room, session, e)
             return
         for signature, (base, n) in bases.items():
             pending.known[signature] = sums[base : base + n]
-    for (room, session, _, _), (tables, _), signature in zip(parts, layouts, signatures):
-        digest.add(room, session, tables, pending.known[signature])
+    for room, session, registration, _, signature in parts:
+        digest.add(room, session, tables_of(registration), pending.known[signature])
 
 
 def flush(manager) -> bool:
@@ -341,7 +396,10 @@ def end_chunk(manager) -> None:
     _scope.pending = None
     digest = digest_of(manager)
     if p is not None and digest is not None:  # a flushed chunk's: nothing left, a no-op job
-        digest.thread.submit(_digest_pending, p)
+        if p.inline:
+            _digest_pending(p)
+        else:
+            digest.thread.submit(_digest_pending, p)
     _aux().clear()
 
 
@@ -356,11 +414,10 @@ class _Scope:
         self.pending, self.written = _pending(), transfer_chunk.written()
 
     def add(self, src, dst, length) -> None:
-        """sglang's descriptor lists of one ``batch_transfer_sync`` (fresh lists per call in
-        0.5.23, kept by reference), resolved on the digest thread while they are sent."""
-        self.pending.run(self.manager, self.session, _resolve_job, self.pending, self.manager,
-                         self.room, self.session, self.registration, self.kind, src, dst, length,
-                         self.written)  # fmt: skip
+        """sglang's descriptor lists of one ``batch_transfer_sync``, resolved where the chunk is
+        digested."""
+        self.pending.hand(self.manager, self.room, self.session, self.registration,
+                          _Descriptors(self.kind, src, dst, length), self.written)  # fmt: skip
 
 
 class _ScopedExecutor:
@@ -441,7 +498,7 @@ def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths)
             and pending.digest_during(session_id, handed_before)
         ):
             pending.handed.clear()  # what is queued, digested during this transfer
-            digest.thread.submit(_digest_pending, pending)
+            pending.digest()
         digest.thread.wake()  # the GIL is free while Mooncake moves the bytes
 
 
@@ -594,17 +651,31 @@ def add_draft_blocks(manager, session: str, send, src_pages, dst_pages, entries=
     if entries is None:
         return
     add_blocks(manager, transfer_chunk.room_of(manager), session, registration,
-               lambda: draft_blocks(entries, src_pages, dst_pages, memo))  # fmt: skip
+               DraftPart(entries, src_pages, dst_pages, memo))  # fmt: skip
+
+
+class DraftPart:
+    """The blocks of one draft send, built where the chunk is digested, once per chunk for the
+    decode ranks that share ``entries`` (interned by :func:`draft_digest_entries_of`); its
+    signature names them without hashing them (``memo``: the sending worker's chunk memo)."""
+
+    __slots__ = ("entries", "src_pages", "dst_pages", "memo", "signature")
+
+    def __init__(self, entries: DigestEntries, src_pages, dst_pages, memo):
+        self.entries, self.src_pages, self.dst_pages, self.memo = entries, src_pages, dst_pages, memo
+        self.signature = ("draft", id(entries), src_pages.tobytes(), dst_pages.tobytes())
+
+    def blocks(self) -> Blocks:
+        blocks = self.memo.get(self.signature)
+        if blocks is None:
+            blocks = self.memo[self.signature] = digest_blocks_of(self.entries, self.src_pages,
+                                                                  self.dst_pages)  # fmt: skip
+        return blocks
 
 
 def draft_blocks(entries: DigestEntries, src_pages, dst_pages, memo) -> Blocks:
-    """The blocks of one draft send, built once per chunk for the decode ranks that share
-    ``entries`` (``memo``: the sending worker's chunk memo; this runs on the digest thread)."""
-    key = ("digest blocks", id(entries), src_pages.tobytes(), dst_pages.tobytes())
-    blocks = memo.get(key)
-    if blocks is None:
-        blocks = memo[key] = digest_blocks_of(entries, src_pages, dst_pages)
-    return blocks
+    """The blocks of one draft send (:class:`DraftPart`)."""
+    return DraftPart(entries, src_pages, dst_pages, memo).blocks()
 
 
 # -- startup ---------------------------------------------------------------------------------

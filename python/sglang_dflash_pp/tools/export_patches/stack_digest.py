@@ -59,13 +59,14 @@ rank, the rank's sums go to every decode rank of the room as one small ZMQ messa
 the transfer status follows (:func:`send_digest_sums`), so a decode that sees the room complete
 holds every sender's contribution. The decode side is ``kv_digest_verify``.
 
-Where the work runs: a middle chunk's host work goes to a digest thread per KV manager
-(``kv_digest_thread``), which resolves and digests it while Mooncake moves the bytes (its
-transfers release the GIL) and during the next chunk; the send path only hands it the
-descriptor lists and the draft's page lists. A room's last chunk is digested by the worker
-itself before the room's status: the prefill frees the request's pages once the status is out,
-so the digest must have read them by then. The worker's wait for the thread is bounded by
-``SGLANG_DFLASH_KV_DIGEST_TIMEOUT_S``.
+Where the work runs: on a digest thread per KV manager (``kv_digest_thread``), while Mooncake
+moves the bytes (its transfers release the GIL); the send path only hands it the descriptor
+lists and the draft's page lists, and the thread resolves all that is queued in one pass and
+digests it in one engine call. A middle chunk is digested after it, during the next chunk. A
+room's last chunk must be read before the room's status (the prefill frees the request's pages
+once the status is out): what the decode ranks before the last were sent is digested during the
+last rank's first long transfer, the last rank's at the status. The worker's wait for the thread
+is bounded by ``SGLANG_DFLASH_KV_DIGEST_TIMEOUT_S``.
 
 Startup (:func:`start_send_digest`, from ``PrefillBootstrapQueue.__init__``): the digest engine
 (``kv_digest_engine``: the kernel compiled, buffers allocated) and its thread, before serving;
