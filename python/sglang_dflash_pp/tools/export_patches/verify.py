@@ -33,6 +33,8 @@ from typing import Dict, List, Optional, Sequence
 
 from sglang_dflash_pp.tools.export_patches.errors import ExportError
 from sglang_dflash_pp.tools.export_patches.git_repo import ScratchRepo
+from sglang_dflash_pp.tools.export_patches.import_server import ImportServer, server_env
+from sglang_dflash_pp.tools.export_patches.import_server import available as forks
 
 NO_PLUGIN = "stock-sglang-only"  # the entry-point whitelist: a name no plugin uses
 
@@ -131,13 +133,20 @@ class ImportCheck:
 
 
 def import_modules(package_dir: str, modules: Sequence[str], cache_dir: Optional[str] = None,
-                   timeout: float = 600) -> dict:
-    r = _run(_IMPORT, modules, tree_env(package_dir, cache_dir), timeout)
-    state = _tagged(r.stdout, "IMPORT_CHECK")
-    if state is None:
-        raise ExportError(
-            f"the import check did not finish (exit {r.returncode}):\n{r.stderr[-3000:]}"
-        )
+                   timeout: float = 600, server: Optional[ImportServer] = None) -> dict:
+    """Import ``modules`` from the tree at ``package_dir`` without our plugin: in a cold
+    subprocess, or in a child of ``server`` (``import_server``: the same check, without
+    re-importing sglang's third-party dependencies)."""
+    env = tree_env(package_dir, cache_dir)
+    if server is not None:
+        state = server.check(env["PYTHONPATH"], modules, env, timeout)
+    else:
+        r = _run(_IMPORT, modules, env, timeout)
+        state = _tagged(r.stdout, "IMPORT_CHECK")
+        if state is None:
+            raise ExportError(
+                f"the import check did not finish (exit {r.returncode}):\n{r.stderr[-3000:]}"
+            )
     state["from_tree"] = _from_tree(state, package_dir)
     return state
 
@@ -146,8 +155,8 @@ def verify_prefixes(package_dir: str, prs: Sequence, cache_dir: Optional[str] = 
                     log=print, workers: int = 2) -> List[ImportCheck]:
     """Check out each commit of the series and import every module the PRs up to it touched;
     the repository is left where it was. The prefixes are spread over ``workers`` checkouts (the
-    repository and detached worktrees of it, removed after), each a subprocess importing
-    sglang's scheduler stack at a time: most of the check's time."""
+    repository and detached worktrees of it, removed after), each with an import server
+    (``import_server``: one cold import, then a forked child per prefix) where it can fork."""
     repo = ScratchRepo(package_dir)
     rel = os.path.relpath(package_dir, repo.root)
     ref = subprocess.run(
@@ -170,12 +179,18 @@ def verify_prefixes(package_dir: str, prs: Sequence, cache_dir: Optional[str] = 
 
             def run(k: int) -> None:
                 root = roots[k]
-                for idx in range(k, len(prefixes), workers):
-                    r, mods = prefixes[idx]
-                    subprocess.run(["git", "checkout", "-q", r.commit], cwd=root, check=True,
-                                   capture_output=True)  # fmt: skip
-                    state = import_modules(os.path.join(root, rel), mods, cache_dir)
-                    checks[idx] = ImportCheck(r.pr, r.commit, list(mods), **state)
+                server = ImportServer(_PRELUDE, server_env()) if forks() else None
+                try:
+                    for idx in range(k, len(prefixes), workers):
+                        r, mods = prefixes[idx]
+                        subprocess.run(["git", "checkout", "-q", r.commit], cwd=root, check=True,
+                                       capture_output=True)  # fmt: skip
+                        state = import_modules(os.path.join(root, rel), mods, cache_dir,
+                                               server=server)  # fmt: skip
+                        checks[idx] = ImportCheck(r.pr, r.commit, list(mods), **state)
+                finally:
+                    if server is not None:
+                        server.close()
 
             with ThreadPoolExecutor(workers) as pool:
                 for f in [pool.submit(run, k) for k in range(workers)]:
