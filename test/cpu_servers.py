@@ -36,6 +36,26 @@ SPEC_ENV = {"SGLANG_NATIVE_MOVE_KV_CACHE": "1"}
 # More than one rank per server (PP or TP) over gloo: one OMP group per rank, and no pynccl
 # (the CUDA torch wheel ships libnccl, which then refuses CPU tensors).
 MULTI_RANK_ENV = {"SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
+# The model modules whose architectures the tests serve: LlamaForCausalLM, KimiK3LinearForCausalLM
+# and the DFlash drafts (``tiny_models``, ``e2e/e2e_models``). sglang's model registry imports every
+# module of ``sglang/srt/models`` in each process that loads it (255 in 0.5.23, ~4 s of a process's
+# import on this box, ~20 processes per deployment); stock's SGLANG_DISABLED_MODEL_ARCHS skips the
+# others. A test serving another architecture adds its module here (else sglang refuses it as
+# unsupported at startup, naming the architecture).
+SERVED_MODEL_MODULES = ("llama", "dflash", "kimi_k3")
+
+
+def unserved_model_modules() -> str:
+    """SGLANG_DISABLED_MODEL_ARCHS's value: every module of the installed ``sglang.srt.models``
+    but :data:`SERVED_MODEL_MODULES` (found on disk: the test process does not import sglang for
+    it)."""
+    import importlib.util
+    import pkgutil
+
+    spec = importlib.util.find_spec("sglang")
+    models = [os.path.join(p, "srt", "models") for p in spec.submodule_search_locations]
+    names = {m.name for m in pkgutil.iter_modules(models) if not m.ispkg}
+    return ",".join(sorted(names - set(SERVED_MODEL_MODULES)))
 
 
 def free_port() -> int:
@@ -176,6 +196,7 @@ def sglang_env(stub_root: str, *, ranks: int = 1, pd: bool = False, spec: bool =
                extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = dict(os.environ)
     env.pop("SGLANG_USE_CPU_ENGINE", None)  # cpu-harness.md: must stay unset
+    env["SGLANG_DISABLED_MODEL_ARCHS"] = unserved_model_modules()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [CPU_SUPPORT, stub_root, env.get("PYTHONPATH")]))
     if pd:
         env.update(PD_ENV)
