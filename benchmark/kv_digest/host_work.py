@@ -25,6 +25,11 @@ fill, ~10-90 us on the H200 host) is not in the sleep. The sums are checked with
 engine instead (numpy over the CPU pools): ``before`` and ``after`` give every decode rank
 equal contributions for a middle and a last chunk.
 
+A what-if, not shipped: ``last_chunk_no_status_wait`` is a last chunk whose status does not wait
+for the digest thread (its tail digested after; drained untimed), which is what a design that
+holds the request's pages until the digest has read them, instead of holding the status, would
+save. As it stands that is unsafe (the prefill frees the pages after the status).
+
 ``before`` is the project at ``--before`` (default ``00dab23``, descriptor lists resolved one
 job per list on the digest thread), checked out into a temporary git worktree, run in a
 subprocess; ``after`` the working tree. The two alternate, ``--rounds`` times each.
@@ -91,7 +96,19 @@ def drive(reps: int, warmup: int, check: bool) -> dict:
     engine.digest = emulated
     thread = sp.manager._dflash_kv_digest.thread
     samples = {}
-    variants = [(w, on) for w in ("middle", "last") for on in (True, False)]
+    kds = sp.kds
+    shipped_flush = kds.flush
+
+    def unsafe_flush(manager):
+        """The what-if: the status does not wait for the digest (the tail still runs, on the
+        thread, and is drained after the sample). Not safe as it stands: the prefill frees the
+        request's pages after the status."""
+        digest = kds.digest_of(manager)
+        if digest is not None:
+            digest.thread.submit(kds._digest_pending, kds._pending())
+        return True
+
+    variants = [(w, on) for w in ("middle", "last") for on in (True, False)] + [("last", "no_wait")]
     for i in range(warmup + reps):
         for k in range(len(variants)):
             what, on = variants[(i + k) % len(variants)]
@@ -100,7 +117,12 @@ def drive(reps: int, warmup: int, check: bool) -> dict:
             busy0 = thread.busy_s
             room = next(sp.rooms)
             t0 = time.perf_counter()
-            t_flush = sp.chunk(room, None, what == "last", link_bps=bench.LINK_BPS, digest=on)
+            kds.flush = unsafe_flush if on == "no_wait" else shipped_flush
+            try:
+                t_flush = sp.chunk(room, None, what == "last", link_bps=bench.LINK_BPS,
+                                   digest=bool(on))  # fmt: skip
+            finally:
+                kds.flush = shipped_flush
             t1 = time.perf_counter()
             moved, bench.TRANSFERS = bench.TRANSFERS, None
             lag = sp.drain()
@@ -109,7 +131,8 @@ def drive(reps: int, warmup: int, check: bool) -> dict:
             if i < warmup:
                 continue
             in_transfers = sum(b - a for _, a, b in moved)
-            s = samples.setdefault(f"{what}_chunk_digest_{'on' if on else 'off'}", {})
+            name = {True: "on", False: "off", "no_wait": "on_no_status_wait"}[on]
+            s = samples.setdefault(f"{what}_chunk_digest_{name}", {})
             for key, v in dict(
                 wall_s=t1 - t0, status_wait_s=t1 - t_flush,
                 worker_outside_transfers_s=(t_flush - t0) - in_transfers,
@@ -181,13 +204,17 @@ def main() -> None:
     link = {w: runs["after"][0]["bytes"][w] / LINK_BPS for w in ("middle", "last")}
     figures = {}
     for name, m in merged.items():
-        for w in ("middle", "last"):
-            on, off = m[f"{w}_chunk_digest_on"], m[f"{w}_chunk_digest_off"]
+        # the shipped middle and last chunk, and the what-if: a last chunk whose status does
+        # not wait for the digest (``unsafe_flush``)
+        for w, variant, figure in (("middle", "on", "middle_chunk"), ("last", "on", "last_chunk"),
+                                   ("last", "on_no_status_wait", "last_chunk_no_status_wait")):
+            key, off_key = f"{w}_chunk_digest_{variant}", f"{w}_chunk_digest_off"
+            on, off = m[key], m[off_key]
             exposed = statistics.median(on["wall_s"]) - statistics.median(off["wall_s"])
-            per_round = [statistics.median(r["samples"][f"{w}_chunk_digest_on"]["wall_s"])
-                         - statistics.median(r["samples"][f"{w}_chunk_digest_off"]["wall_s"])
+            per_round = [statistics.median(r["samples"][key]["wall_s"])
+                         - statistics.median(r["samples"][off_key]["wall_s"])
                          for r in runs[name]]  # fmt: skip
-            figures[f"{name}_{w}_chunk"] = dict(
+            figures[f"{name}_{figure}"] = dict(
                 exposed_s=exposed, over_link_time=exposed / link[w], link_s=link[w],
                 exposed_per_round_s=per_round,
                 median_on={k: statistics.median(v) for k, v in on.items()},
