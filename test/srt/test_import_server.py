@@ -11,7 +11,7 @@ The tree is a minimal ``sglang`` package written here (the prelude's ``load_plug
 from __future__ import annotations
 
 import os
-import textwrap
+import time
 
 import pytest
 
@@ -29,6 +29,13 @@ MODULES = {
     "broken.py": "raise ImportError('broken on purpose')\n",
     "needs_plugin.py": "import sglang_dflash_pp.srt\n",
     "hangs.py": "import time\ntime.sleep(60)\n",
+    # output that is not a line, and a process left running: neither may stall the check
+    "noisy.py": "import os\nos.write(1, b'partial')\nprint('IMPORT_CHECK {}')\n",
+    "starts_a_process.py": (
+        "import os, subprocess\n"
+        "p = subprocess.Popen(['sleep', '60'])\n"
+        "open(os.path.join(os.path.dirname(__file__), 'started.pid'), 'w').write(str(p.pid))\n"
+    ),
 }
 
 
@@ -55,6 +62,10 @@ def test_forked_checks_report_what_a_cold_check_reports(tmp_path):
         with pytest.raises(ExportError, match="ran past 2s and was killed"):
             verify.import_modules(trees[0], ["sglang.hangs"], timeout=2, server=server)
         after = verify.import_modules(trees[1], ["sglang.fine"], server=server)  # still serving
+        t0 = time.monotonic()
+        odd = verify.import_modules(trees[0], ["sglang.noisy", "sglang.starts_a_process"],
+                                    timeout=30, server=server)  # fmt: skip
+        took = time.monotonic() - t0
     finally:
         server.close()
     for state, tree in zip([cold] + states, trees[:1] + trees + trees[::-1]):
@@ -64,6 +75,17 @@ def test_forked_checks_report_what_a_cold_check_reports(tmp_path):
         assert "must not need the plugin" in state["errors"]["sglang.needs_plugin"]
         assert state["hooks"] == [] and state["plugin_modules"] == []
     assert after["errors"] == {} and after["from_tree"]
+    assert odd["errors"] == {} and odd["from_tree"] and took < 20
+    with open(os.path.join(trees[0], "started.pid")) as f:
+        started = int(f.read())
+    for _ in range(50):  # killed with the child's process group
+        try:
+            os.kill(started, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the process the imports started outlived the check")
 
 
 def test_a_server_that_dies_fails_the_check_naming_it(tmp_path):

@@ -768,6 +768,14 @@ def test_descriptor_lists_past_the_joined_range_or_below_every_buffer():
     other = BufferTable(BufferKind.KV, [1 << 30], first_slot=0)
     with pytest.raises(ValueError, match="below every decode buffer"):
         kd.ListResolver().resolve([low, other], [[1], [2]], [[4096], [4096]], [[4], [4]])
+    # a negative base (no real pointer) goes list by list too: the shift cannot tell it apart
+    negative = BufferTable(BufferKind.KV, [-4096], first_slot=5)
+    args = ([negative, low], [[1], [2]], [[-4092], [(1 << 52) - 100]], [[4], [4]])
+    got, _ = kd.ListResolver().resolve(*args)
+    assert all((a == b).all() for a, b in zip(got, _per_list(*args)))
+    assert got.slot.tolist() == [5, 3]
+    with pytest.raises(ValueError, match="differ in count"):  # rows never shift between lists
+        kd.ListResolver().resolve([low, low], [[1], [2, 3]], [[4096, 4100], [8192]], [[4], [4, 4]])
 
 # == 5. the decode's messages =================================================================
 

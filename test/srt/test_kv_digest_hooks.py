@@ -432,10 +432,12 @@ def test_begin_chunk_counts_the_rooms_decode_ranks_from_sglangs_transfer_infos()
         kv_digest_send.end_chunk(manager)
 
 
-def test_a_descriptor_below_its_decodes_buffers_fails_its_room_and_the_rest_is_digested():
+@pytest.mark.parametrize("bad", ["below its buffers", "no buffer table"])
+def test_a_descriptor_below_its_decodes_buffers_fails_its_room_and_the_rest_is_digested(bad):
     """The chunk's descriptor lists are resolved together; one whose destination lies below
-    its decode's buffers (but above another decode's) fails the room naming why, and the other
-    decode rank's sums are still those of its bytes."""
+    its decode's buffers (but above another decode's), or whose decode registration gives no
+    buffer table, fails the room naming why, and the other decode rank's sums are still those
+    of its bytes."""
     import numpy as np
 
     from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
@@ -447,6 +449,8 @@ def test_a_descriptor_below_its_decodes_buffers_fails_its_room_and_the_rest_is_d
     failures, sent = [], []
     regs, manager = _chunk_manager(DigestEngine("cpu"), failures, sent)
     regs["d1"] = types.SimpleNamespace(dst_kv_ptrs=[1 << 42], dst_state_data_ptrs=[])
+    if bad == "no buffer table":
+        regs["d1"] = types.SimpleNamespace(dst_kv_ptrs=None, dst_state_data_ptrs=[])
     original, _ = _recording()
     manager.request_status[3] = KVPoll.Transferring
     mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(room=3, wait_event=None,
@@ -460,7 +464,9 @@ def test_a_descriptor_below_its_decodes_buffers_fails_its_room_and_the_rest_is_d
     finally:
         mooncake_draft_kv.end_chunk()
     assert [f["bootstrap_room"] for f in failures] == [3]
-    assert "d1" in failures[0]["failure_reason"] and "below every decode buffer" in failures[0]["failure_reason"]
+    reason = failures[0]["failure_reason"]
+    assert "d1" in reason
+    assert ("below every decode buffer" if bad == "below its buffers" else "NoneType") in reason
     keys = [buffer_key(BufferKind.KV, 0)]
     want = digest_blocks_host(Blocks.of([src.ctypes.data], [0], 256, 0), keys)
     assert manager._dflash_kv_digest.pop(3, "d0").sums == {(1, 0): int(want[0])}

@@ -233,7 +233,8 @@ class BufferTable:
 
 # Tables resolved together are told apart by this bit and above of a shifted address (every
 # registered address lies below it: 4 PiB, over the 47- to 52-bit virtual addresses of x86-64,
-# CUDA and arm64); more tables than fit, or an address past it, resolve one list at a time.
+# CUDA and arm64); more tables than fit, or an address past it or below 0, resolve one list at
+# a time.
 _TABLE_SHIFT = 52
 _MAX_TABLES = (1 << (63 - _TABLE_SHIFT)) - 1
 
@@ -278,6 +279,9 @@ class ListResolver:
         Equal to ``Blocks.concat(tables[i].blocks(...) for i)``; raises ValueError as
         :meth:`BufferTable.resolve` does."""
         counts = [len(s) for s in srcs]
+        if counts != [len(d) for d in dsts] or counts != [len(n) for n in lengths]:
+            raise ValueError("a descriptor list's sources, destinations and lengths differ in "
+                             "count")
         ends = np.cumsum(counts, dtype=np.int64)
         total = int(ends[-1]) if counts else 0
         src = np.fromiter(itertools.chain.from_iterable(srcs), np.int64, total)
@@ -288,8 +292,9 @@ class ListResolver:
         unique = tuple({id(t): t for t in tables}.values())
         limit = 1 << _TABLE_SHIFT
         if (not total or len(unique) > _MAX_TABLES or int(dst.min()) < 0
-                or int(dst.max()) >= limit or any(t.bases.size and int(t.bases.max()) >= limit
-                                                  for t in unique)):  # fmt: skip
+                or int(dst.max()) >= limit
+                or any(t.bases.size and (int(t.bases.max()) >= limit or int(t.bases.min()) < 0)
+                       for t in unique)):  # fmt: skip
             parts, lo = [], 0
             for t, hi in zip(tables, ends.tolist()):
                 parts.append(t.blocks(src[lo:hi], dst[lo:hi], length[lo:hi]))

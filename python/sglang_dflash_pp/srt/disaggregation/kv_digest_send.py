@@ -268,18 +268,26 @@ def _signed_parts(resolver: ListResolver, items) -> List[Tuple]:
     registrations of the same sizes: the keys are a function of the tables' sizes,
     ``kv_digest.buffer_key``). Blocks None: a part that failed (its error as the signature), or
     a function that built nothing (signature None)."""
-    lists = [i for i, item in enumerate(items) if isinstance(item[3], _Descriptors)]
-    resolved = dict(zip(lists, _resolved_lists(resolver, [items[i] for i in lists])))
     prints: Dict[int, bytes] = {}  # one fingerprint per distinct Blocks object
-    return [resolved[i] if i in resolved else _built(item, prints) for i, item in enumerate(items)]
+    out: Dict[int, Tuple] = {}
+    lists, tables = [], []
+    for i, (room, session, reg, what) in enumerate(items):
+        if isinstance(what, _Descriptors):
+            try:  # a registration whose tables cannot be made fails its own room only
+                tables.append(_table_of(reg, what.kind))
+                lists.append(i)
+            except Exception as e:
+                out[i] = (room, session, reg, None, e)
+    out.update(zip(lists, _resolved_lists(resolver, [items[i] for i in lists], tables)))
+    return [out[i] if i in out else _built(item, prints) for i, item in enumerate(items)]
 
 
-def _resolved_lists(resolver: ListResolver, items) -> List[Tuple]:
-    """:func:`_signed_parts` of descriptor lists, all resolved in one pass; where that raises,
-    each alone, so that a bad list fails its own room only."""
+def _resolved_lists(resolver: ListResolver, items, tables) -> List[Tuple]:
+    """:func:`_signed_parts` of descriptor lists (``tables``: each one's decode table), all
+    resolved in one pass; where that raises, each alone, so that a bad list fails its own room
+    only."""
     if not items:
         return []
-    tables = [_table_of(reg, what.kind) for _, _, reg, what in items]
     lists = [what for *_, what in items]
     try:
         resolved, ends = resolver.resolve(tables, [w.src for w in lists], [w.dst for w in lists],
@@ -303,8 +311,8 @@ def _resolved_lists(resolver: ListResolver, items) -> List[Tuple]:
 def _built(item, prints: Dict[int, bytes]) -> Tuple:
     """:func:`_signed_parts` of a :class:`DraftPart`, blocks, or a function that builds them."""
     room, session, reg, what = item
-    sizes = _tables_and_keys(reg)[2]
     try:
+        sizes = _tables_and_keys(reg)[2]
         if isinstance(what, DraftPart):
             return room, session, reg, what.blocks(), what.signature + sizes
         if callable(what):

@@ -12,22 +12,29 @@ subprocess would (``verify`` still asserts where sglang came from).
 
 The protocol is JSON lines: a request ``{"env", "path", "modules", "timeout"}`` on stdin, one
 ``IMPORT_CHECK {...}`` line on stdout per request (``{"fatal": ...}`` when the child died or ran
-past its timeout, which kills it). Linux (``os.fork``) only; elsewhere ``verify`` runs cold
-subprocesses.
+past its timeout). A child's own output goes to the server's stderr, never among the replies; it
+runs in a process group of its own, killed when its reply is in or its timeout passed (with what
+its imports started); the caller waits for a reply at most the check's timeout plus
+``PRELOAD_BOUND_S``. Linux (``os.fork``) only; elsewhere ``verify`` runs cold subprocesses.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Optional, Sequence
 
 from sglang_dflash_pp.tools.export_patches.errors import ExportError
 
 TAG = "IMPORT_CHECK"
+# How much longer than a check's own timeout its reply may take: the server loads the third-party
+# modules of its first check before it reads the next request (~10 s on a 2-core machine).
+PRELOAD_BOUND_S = 300.0
 
 _SERVER = r"""
 import importlib, importlib.abc, json, os, select, signal, sys, time, traceback
@@ -47,6 +54,8 @@ sys.meta_path.insert(0, _guard)
 
 
 def _child(req):
+    os.dup2(2, 1)  # what the imports print stays off the server's replies
+    os.setpgid(0, 0)  # what they start is killed with the child
     sys.meta_path.remove(_guard)
     os.environ.clear()
     os.environ.update(req["env"])
@@ -80,28 +89,36 @@ def _check(req):
         except BaseException:
             out = json.dumps({{"fatal": traceback.format_exc(limit=-6)}})
         with os.fdopen(w, "w") as f:
-            f.write(out)
+            f.write(out + "\n")
         os._exit(0)
     os.close(w)
-    deadline, chunks = time.monotonic() + float(req["timeout"]), []
-    while True:
+    deadline, data = time.monotonic() + float(req["timeout"]), b""
+    # until the reply's newline, not EOF: a process the imports started holds the pipe open
+    while not data.endswith(b"\n"):
         left = deadline - time.monotonic()
         ready = select.select([r], [], [], max(0.0, left))[0] if left > 0 else []
         if not ready:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            os.close(r)
+            _reap(pid, r)
             return {{"fatal": "the import check ran past %gs and was killed" % float(req["timeout"])}}
-        data = os.read(r, 1 << 16)
-        if not data:
+        chunk = os.read(r, 1 << 16)
+        if not chunk:
             break
-        chunks.append(data)
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
+        data += chunk
+    status = _reap(pid, r)
     try:
-        return json.loads(b"".join(chunks))
+        return json.loads(data)
     except ValueError:
         return {{"fatal": "the import check's child died (wait status %d)" % status}}
+
+
+def _reap(pid, r):
+    os.close(r)
+    for kill in (os.killpg, os.kill):  # the child's group: whatever its imports started; the child
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return os.waitpid(pid, 0)[1]
 
 
 preloaded = False
@@ -128,25 +145,35 @@ class ImportServer:
             [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._stderr, text=True, env=env, cwd=tempfile.gettempdir(),
         )  # fmt: skip
+        self._replies: "queue.Queue[Optional[str]]" = queue.Queue()
+        threading.Thread(target=self._read_replies, daemon=True).start()
+
+    def _read_replies(self) -> None:
+        for line in self._proc.stdout:
+            if line.startswith(TAG + " "):
+                self._replies.put(line[len(TAG) + 1 :])
+        self._replies.put(None)  # the server exited
 
     def check(self, path: str, modules: Sequence[str], env: dict, timeout: float) -> dict:
         """The child's state (``errors``, ``sglang_file``, ``hooks``, ``plugin_modules``) after
         importing ``modules`` with ``path`` first on ``sys.path`` and ``env`` as its
         environment."""
         request = dict(env=env, path=path, modules=list(modules), timeout=timeout)
+        bound = timeout + PRELOAD_BOUND_S
         try:
             self._proc.stdin.write(json.dumps(request) + "\n")
             self._proc.stdin.flush()
-            for line in self._proc.stdout:
-                if line.startswith(TAG + " "):
-                    state = json.loads(line[len(TAG) + 1 :])
-                    break
-            else:
-                state = None
-        except (BrokenPipeError, OSError):
-            state = None
-        if state is None or state.get("fatal"):
-            why = state["fatal"] if state else f"the import server exited ({self._proc.poll()})"
+            reply = self._replies.get(timeout=bound)
+            state = None if reply is None else json.loads(reply)
+            why = state.get("fatal") if state else f"the import server exited ({self._proc.poll()})"
+        except (BrokenPipeError, OSError, ValueError) as e:
+            rc = self._proc.poll()
+            why = f"the import server exited ({rc})" if rc is not None else (
+                f"the import server's reply was lost ({e!r})")
+        except queue.Empty:
+            self._proc.kill()
+            why = f"the import server did not answer in {bound:g} s and was killed"
+        if why:
             raise ExportError(f"the import check did not finish: {why}\n{self._stderr_tail()}")
         state.pop("third_party", None)
         return state
