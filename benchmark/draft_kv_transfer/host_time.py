@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from types import SimpleNamespace
 
@@ -194,21 +192,14 @@ def drive(reps: int, warmup: int) -> dict:
 
 
 def _run(root: str, reps: int, warmup: int) -> dict:
-    code = (
-        "import json, sys; sys.path[:0] = [{py!r}, {here!r}]; import host_time; "
-        "print('RESULT ' + json.dumps(host_time.drive({reps}, {warmup})))"
-    ).format(py=os.path.join(root, "python"), here=HERE, reps=reps, warmup=warmup)
-    env = dict(os.environ, PYTHONPATH=os.path.join(root, "python"))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=1800, cwd=root)  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"driver at {root} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    import before_after  # benchmark/, on the path (main)
+
+    return before_after.run_driver(root, HERE, f"host_time.drive({reps}, {warmup})", cwd=root)
 
 
 def main() -> None:
     sys.path.insert(0, os.path.dirname(HERE))
+    import before_after
     import provenance
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -217,17 +208,11 @@ def main() -> None:
     parser.add_argument("--before", default="db84bfe")
     parser.add_argument("--out", default=os.path.join(HERE, "host_time.json"))
     args = parser.parse_args()
-    worktree = tempfile.mkdtemp(prefix="host-time-before-")
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", worktree, args.before],
-                   check=True, capture_output=True)  # fmt: skip
-    try:
-        runs = {}
+    runs = {}
+    with before_after.worktree_at(args.before, "host-time-before-") as worktree:
         for name, root in (("before", worktree), ("after", ROOT)):
             runs[name] = _run(root, args.reps, args.warmup)
             print(name, provenance.summary(runs[name]["samples_s"]), flush=True)
-    finally:
-        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", worktree],
-                       capture_output=True)  # fmt: skip
     same = runs["before"]["first_chunk_descriptors"] == runs["after"]["first_chunk_descriptors"]
     assert same, "the descriptors differ between before and after"
     before, after = (provenance.summary(runs[k]["samples_s"]) for k in ("before", "after"))

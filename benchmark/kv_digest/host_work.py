@@ -45,9 +45,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -147,22 +145,16 @@ def drive(reps: int, warmup: int, check: bool) -> dict:
 
 
 def _run(root: str, reps: int, warmup: int, check: bool) -> dict:
-    code = (
-        "import json, sys; sys.path[:0] = [{py!r}, {gpu!r}, {bench!r}]; sys.path.insert(0, {here!r}); "
-        "import host_work; print('RESULT ' + json.dumps(host_work.drive({reps}, {warmup}, {check})))"
-    ).format(py=os.path.join(root, "python"), gpu=GPU_BENCH, bench=os.path.dirname(GPU_BENCH),
-             here=HERE, reps=reps, warmup=warmup, check=check)  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=os.path.join(root, "python"))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=3600, cwd=ROOT)  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"driver at {root} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    import before_after  # benchmark/, on the path (main)
+
+    return before_after.run_driver(root, HERE, f"host_work.drive({reps}, {warmup}, {check})",
+                                   extra_paths=(GPU_BENCH, os.path.dirname(GPU_BENCH)),
+                                   timeout=3600)  # fmt: skip
 
 
 def main() -> None:
     sys.path.insert(0, os.path.dirname(HERE))
+    import before_after
     import provenance
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -172,12 +164,9 @@ def main() -> None:
     parser.add_argument("--before", default="00dab23")
     parser.add_argument("--out", default=os.path.join(HERE, "host_work.json"))
     args = parser.parse_args()
-    worktree = tempfile.mkdtemp(prefix="kv-digest-host-before-")
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", worktree, args.before],
-                   check=True, capture_output=True)  # fmt: skip
-    roots = {"before": worktree, "after": ROOT}
-    runs = {name: [] for name in roots}
-    try:
+    runs = {"before": [], "after": []}
+    with before_after.worktree_at(args.before, "kv-digest-host-before-") as worktree:
+        roots = {"before": worktree, "after": ROOT}
         for rnd in range(args.rounds):
             for name, root in roots.items():
                 runs[name].append(_run(root, args.reps, args.warmup, check=rnd == 0))
@@ -185,9 +174,6 @@ def main() -> None:
                 print(name, rnd, {w: round(statistics.median(s[f"{w}_chunk_digest_on"]["wall_s"])
                                            - statistics.median(s[f"{w}_chunk_digest_off"]["wall_s"]), 6)
                                   for w in ("middle", "last")}, flush=True)  # fmt: skip
-    finally:
-        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", worktree],
-                       capture_output=True)  # fmt: skip
     same = runs["before"][0]["sums"] == runs["after"][0]["sums"]
     assert same, "the contributions differ between before and after"
     assert not any(r["failures"] for rs in runs.values() for r in rs), "a room failed"
