@@ -13,7 +13,7 @@ sides. Per decode rank:
   0.5.23's ``MooncakeKVManager._send_kvcache_generic`` builds (legacy batch path: one
   ``batch_transfer_sync`` per decode rank, one descriptor per layer per page run contiguous on
   both sides, the layers paired with the decode's entries by layer id);
-* draft entries (K and V of the 6 draft layers): ``kv_digest_send.draft_blocks`` of the
+* draft entries (K and V of the 6 draft layers): ``kv_digest_send.DraftPart`` of the
   ``DraftSend`` the registration hook builds from the plugin's verdict (``peer_verdict``), i.e.
   ``draft_kv_digest.digest_blocks_of``: the decode's head in strided rows, one block per entry and
   page run;
@@ -519,7 +519,7 @@ class SendPath:
 
     def _draft_blocks(self, r):
         """Decode rank ``r``'s draft blocks as the draft send's digest builds them."""
-        return self.kds.draft_blocks(self.sends[r].digest, self.src_pages, self.dst_pages, {})
+        return self.kds.DraftPart(self.sends[r].digest, self.src_pages, self.dst_pages, {}).blocks()
 
     def blocks(self, last):
         """The blocks the hooks queue per decode rank (as ``_Scope.add`` and the draft send
@@ -1185,7 +1185,7 @@ def run(args):
                    "mooncake_draft_kv.begin_chunk (the chunk's KV-written event as wait_event), the target MLA descriptors through "
                    "kv_digest_send.scope + batch_transfer_sync_around (BufferTable.blocks, "
                    "add_blocks), the draft's kv_digest_send.add_draft_blocks (DraftSend.check_pages, "
-                   "add_blocks(draft_blocks)), on the last chunk the KDA state descriptors through a STATE "
+                   "add_blocks(DraftPart)), on the last chunk the KDA state descriptors through a STATE "
                    "scope, then kv_digest_send.flush (one DigestEngine.digest: DeviceDigest table "
                    "fill, one H2D, launch, D2H, stream synchronize; the sums into the rooms' "
                    "Contributions); add_blocks_flush: add_blocks of prebuilt blocks + flush. "

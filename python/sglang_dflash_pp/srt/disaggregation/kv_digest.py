@@ -247,16 +247,20 @@ class _Joined(NamedTuple):
     bases: np.ndarray  # the same, unshifted
     slots: np.ndarray  # the slot of each
     starts: np.ndarray  # where each table's bases begin in ``keys``
+    shiftable: bool  # few enough tables, every base in [0, 2**52): the shift tells them apart
 
 
 def _joined(tables: Tuple[BufferTable, ...]) -> _Joined:
     keys = [t._sorted + (i << _TABLE_SHIFT) for i, t in enumerate(tables)]
+    bases = np.concatenate([t._sorted for t in tables])
     return _Joined(
         tables,
         np.concatenate(keys),
-        np.concatenate([t._sorted for t in tables]),
+        bases,
         np.concatenate([t._order + t.first_slot for t in tables]),
         np.cumsum([0] + [len(t) for t in tables[:-1]]).astype(np.int64),
+        len(tables) <= _MAX_TABLES
+        and not (bases.size and (int(bases.min()) < 0 or int(bases.max()) >> _TABLE_SHIFT)),
     )
 
 
@@ -287,20 +291,16 @@ class ListResolver:
         src = np.fromiter(itertools.chain.from_iterable(srcs), np.int64, total)
         dst = np.fromiter(itertools.chain.from_iterable(dsts), np.int64, total)
         length = np.fromiter(itertools.chain.from_iterable(lengths), np.int64, total)
-        distinct: Dict[int, int] = {}
-        order = [distinct.setdefault(id(t), len(distinct)) for t in tables]
-        unique = tuple({id(t): t for t in tables}.values())
-        limit = 1 << _TABLE_SHIFT
-        if (not total or len(unique) > _MAX_TABLES or int(dst.min()) < 0
-                or int(dst.max()) >= limit
-                or any(t.bases.size and (int(t.bases.max()) >= limit or int(t.bases.min()) < 0)
-                       for t in unique)):  # fmt: skip
+        distinct: Dict[int, Tuple[int, BufferTable]] = {}
+        order = [distinct.setdefault(id(t), (len(distinct), t))[0] for t in tables]
+        joined = self._joined_of(tuple(t for _, t in distinct.values())) if total else None
+        if (joined is None or not joined.shiftable or int(dst.min()) < 0
+                or int(dst.max()) >> _TABLE_SHIFT):  # fmt: skip
             parts, lo = [], 0
             for t, hi in zip(tables, ends.tolist()):
                 parts.append(t.blocks(src[lo:hi], dst[lo:hi], length[lo:hi]))
                 lo = hi
             return Blocks.concat(parts), ends
-        joined = self._joined_of(unique)
         which = np.repeat(np.asarray(order, dtype=np.int64), counts)
         pos = np.searchsorted(joined.keys, dst + (which << _TABLE_SHIFT), side="right") - 1
         if (pos < joined.starts[which]).any():

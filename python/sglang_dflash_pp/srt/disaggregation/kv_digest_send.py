@@ -229,11 +229,14 @@ class _Pending:
         return others >= 1
 
     def digest(self) -> None:
-        """Digest what is queued: here in the synchronous design, else on the digest thread."""
+        """Digest what is queued (nothing: no job): here in the synchronous design, else on the
+        digest thread."""
         manager = self.manager
+        if manager is None:
+            return
         if self.inline:
             _digest_pending(self)
-        elif manager is not None:
+        else:
             digest_of(manager).thread.submit(_digest_pending, self)
 
 
@@ -376,11 +379,7 @@ def flush(manager) -> bool:
     digest = digest_of(manager)
     if digest is None:
         return True
-    pending = _pending()
-    if pending.inline:
-        _digest_pending(pending)
-    else:
-        digest.thread.submit(_digest_pending, pending)
+    _pending().digest()
     if digest.thread.wait(_wait_bound_s()):
         return True
     error = RuntimeError(
@@ -402,12 +401,8 @@ def end_chunk(manager) -> None:
     chunk starts its own, whose bytes are other bytes)."""
     p = getattr(_scope, "pending", None)
     _scope.pending = None
-    digest = digest_of(manager)
-    if p is not None and digest is not None:  # a flushed chunk's: nothing left, a no-op job
-        if p.inline:
-            _digest_pending(p)
-        else:
-            digest.thread.submit(_digest_pending, p)
+    if p is not None and digest_of(manager) is not None:
+        p.digest()  # a flushed chunk's: nothing left
     _aux().clear()
 
 
@@ -679,11 +674,6 @@ class DraftPart:
             blocks = self.memo[self.signature] = digest_blocks_of(self.entries, self.src_pages,
                                                                   self.dst_pages)  # fmt: skip
         return blocks
-
-
-def draft_blocks(entries: DigestEntries, src_pages, dst_pages, memo) -> Blocks:
-    """The blocks of one draft send (:class:`DraftPart`)."""
-    return DraftPart(entries, src_pages, dst_pages, memo).blocks()
 
 
 # -- startup ---------------------------------------------------------------------------------
