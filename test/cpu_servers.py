@@ -229,7 +229,9 @@ def launch_server(name: str, root: str, model_path: str, args: Sequence[str], *,
 def launch_pd_router(name: str, root: str, prefills: Sequence[tuple], decodes: Sequence[str],
                      extra_args: Sequence[str] = ()) -> ServerProcess:
     """Start the real PD router: ``prefills`` are (base_url, bootstrap_port), ``decodes`` URLs;
-    ``extra_args`` are further ``launch_router`` options."""
+    ``extra_args`` are further ``launch_router`` options. It may start beside its workers: it
+    registers them once they answer, probing each second (its default is every 30 s), so the
+    deployment waits for its servers and routers together."""
     port, metrics = free_port(), free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
     for url, bootstrap in prefills:
@@ -237,7 +239,7 @@ def launch_pd_router(name: str, root: str, prefills: Sequence[tuple], decodes: S
     for url in decodes:
         cmd += ["--decode", url]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(metrics), *extra_args]
+            "--prometheus-port", str(metrics), "--worker-startup-check-interval", "1", *extra_args]
     base = f"http://127.0.0.1:{port}"
     # /readiness answers 200 once the router has registered healthy workers (it listens before).
     return ServerProcess(name, cmd, dict(os.environ), os.path.join(root, f"{name}.log"),

@@ -50,10 +50,9 @@ def pair(e2e_root, stub_root):
         dep.add(cpu_servers.launch_server(
             "D", root, target, server_args(draft, *DECODE_ARGS), stub_root=stub_root, spec=True,
             pd=True))
-        dep.wait()
         dep.add(cpu_servers.launch_pd_router("router", root, [(dep["P2"].base_url, boot)],
                                              [dep["D"].base_url]))
-        dep.wait(["router"])
+        dep.wait()
         yield {"dep": dep, "root": root, "target": target}
     finally:
         dep.kill()

@@ -55,11 +55,10 @@ def dummy(e2e_root, stub_root):
                pd=True, ranks=2)
         launch("D", server_args(draft, *DECODE_ARGS, *DUMMY), pd=True,
                env={"SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": dump})
-        dep.wait()
         for name, p, boot in (("router-b", "P1", boot1), ("router-c", "P2", boot2)):
             dep.add(cpu_servers.launch_pd_router(name, root, [(dep[p].base_url, boot)],
                                                  [dep["D"].base_url]))
-        dep.wait(["router-b", "router-c"])
+        dep.wait()
         outputs = {
             key: [cpu_servers.generate(dep[f"router-{key}"].base_url, prompt, MAX_NEW_TOKENS,
                                        rid=f"{key}-{i}") for i, prompt in enumerate(PROMPTS)]

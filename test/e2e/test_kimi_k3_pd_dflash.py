@@ -75,11 +75,10 @@ def k3(e2e_root, stub_root):
         launch("D", DECODE_ARGS + [CHECKSUM], pd=True,
                env={"SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": dump,
                     "SGLANG_DFLASH_PP_TEST_KV_DIGEST_DIR": digest})
-        dep.wait()
         for name, (p, boot) in (("router-b", ("P1", boot1)), ("router-c", ("P2", boot2))):
             dep.add(cpu_servers.launch_pd_router(name, root, [(dep[p].base_url, boot)],
                                                  [dep["D"].base_url], ROUTER_ARGS))
-        dep.wait(["router-b", "router-c"])
+        dep.wait()
         urls = {"a": dep["A"].base_url, "b": dep["router-b"].base_url,
                 "c": dep["router-c"].base_url}
         outputs = {

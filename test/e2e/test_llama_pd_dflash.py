@@ -112,13 +112,12 @@ def deployments(llama):
         launch("D1", server_args(m["draft"], *DECODE_ARGS, CHECKSUM), pd=True, env=decode_env)
         launch("D2", server_args(m["draft"], *DECODE_ARGS, CHECKSUM, "--tp-size", "2"), pd=True,
                ranks=2, env=decode_env)
-        dep.wait()
         routes = {"router-b": ("P1", boot1, "D1"), "router-c": ("P2", boot2, "D1"),
                   "router-d": ("P2", boot2, "D2"), "router-e": ("P3", boot3, "D1")}
         for name, (p, boot, d) in routes.items():
             dep.add(cpu_servers.launch_pd_router(name, root, [(dep[p].base_url, boot)],
                                                  [dep[d].base_url], ROUTER_ARGS))
-        dep.wait(list(routes))
+        dep.wait()
         yield dep
     finally:
         dep.kill()

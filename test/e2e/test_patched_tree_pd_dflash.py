@@ -153,10 +153,9 @@ def reference(e2e_root, stub_root):
                ranks=2)
         launch("ref-D1", server_args(draft, *DECODE_ARGS), pd=True,
                env={"SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": dump})
-        dep.wait()
         dep.add(cpu_servers.launch_pd_router("ref-router", root, [(dep["ref-P2"].base_url, boot)],
                                              [dep["ref-D1"].base_url]))
-        dep.wait(["ref-router"])
+        dep.wait()
         a = _sequential(dep["ref-A"].base_url, "a-seq")
         _sequential(dep["ref-router"].base_url, "c-seq")
     finally:
@@ -188,10 +187,9 @@ def served(patched, reference, e2e_root, stub_root):
         launch("T-P2", server_args(draft, *prefill_args(boot), CHECKSUM, "--pp-size", "2"),
                pd=True, ranks=2, env=env)
         launch("T-D1", server_args(draft, *DECODE_ARGS, CHECKSUM), pd=True, env=decode_env)
-        dep.wait()
         dep.add(cpu_servers.launch_pd_router("T-router", root, [(dep["T-P2"].base_url, boot)],
                                              [dep["T-D1"].base_url], ROUTER_ARGS))
-        dep.wait(["T-router"])
+        dep.wait()
         responses = _sequential(dep["T-router"].base_url, "t-seq")
         verified = read_outcomes(digest)  # before the corrupted request below
         try:  # its asserts are the test's (test_the_in_tree_digest_detects_a_flipped_byte)
