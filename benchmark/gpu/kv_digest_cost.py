@@ -62,7 +62,9 @@ during its own transfers of at least ``kv_digest_send.EAGER_DIGEST_MIN_BYTES`` a
 ``_all_inline``: a chunk digested by the worker itself before the chunk ends or at the status (the
 synchronous design; for a last chunk the previous shipped design; the same functions);
 ``_no_eager``: a last chunk on the thread, all of it at the status (the eager threshold set past
-any transfer).
+any transfer); ``_at_last_rank_only``: 012a25a's schedule (``at_last_rank_only``, restated here:
+one eager call, at the last decode rank's first long transfer), against the shipped one (calls at
+half the ranks, at the last rank's first long transfer and at its later ones), same run.
 
 Ratio: digest time / (chunk bytes / 50 GB/s), chunk bytes = the bytes of the chunk's descriptors
 to the 8 decode ranks (what Mooncake moves for them; the draft's equal its digest blocks').
@@ -561,6 +563,21 @@ class SendPath:
         return n
 
 
+def at_last_rank_only(self, session, handed_before):
+    """012a25a's ``_Pending.digest_during``, restated for the same-run comparison (mode
+    ``_at_last_rank_only``; not shipped): on a last chunk with its decode ranks known, one engine
+    call, at the last rank's first long transfer, over the ranks before it; the rest at the
+    status."""
+    if not self.last or self.inline:
+        return False
+    others = len(handed_before - {session})
+    if self.ranks > 1:
+        return others >= self.ranks - 1
+    if self.ranks == 1:
+        return session in handed_before
+    return others >= 1
+
+
 def make_pools(g, dev, pool_pages, torch):
     """The prefill rank's pools: the stage's MLA layers, the draft entries (NHD), KDA state."""
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -750,21 +767,25 @@ def run(args):
     # same run.
     kds = sp.kds
     modes = {"": dict(inline=False), "_all_inline": dict(inline=True),
-             "_no_eager": dict(inline=False, eager_min_bytes=1 << 62)}  # fmt: skip
-    mode_chunks = {"": ("middle", "last"), "_all_inline": ("middle", "last"), "_no_eager": ("last",)}
+             "_no_eager": dict(inline=False, eager_min_bytes=1 << 62),
+             "_at_last_rank_only": dict(inline=False, digest_during=at_last_rank_only)}  # fmt: skip
+    mode_chunks = {"": ("middle", "last"), "_all_inline": ("middle", "last"), "_no_eager": ("last",),
+                   "_at_last_rank_only": ("last",)}  # fmt: skip
     thread_use.update({f"{w}{m}": dict(lag=[], busy=[]) for m in modes for w in mode_chunks[m]})
 
     def over_link(last, on, mode=""):
         def fn(e):
             room["now"] = next(sp.rooms)
             room["busy0"] = sp.manager._dflash_kv_digest.thread.busy_s
-            shipped_eager = kds.EAGER_DIGEST_MIN_BYTES
+            shipped_eager, shipped_rule = kds.EAGER_DIGEST_MIN_BYTES, kds._Pending.digest_during
             kds.EAGER_DIGEST_MIN_BYTES = modes[mode].get("eager_min_bytes", shipped_eager)
+            kds._Pending.digest_during = modes[mode].get("digest_during", shipped_rule)
             try:
                 return sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on,
                                 inline=modes[mode]["inline"])  # fmt: skip
             finally:
                 kds.EAGER_DIGEST_MIN_BYTES = shipped_eager
+                kds._Pending.digest_during = shipped_rule
         return fn
 
     def drained(last, mode=""):
@@ -912,6 +933,9 @@ def run(args):
             return out
 
         thread._timed, engine.digest = timed_job, counted
+        shipped_rule = kds._Pending.digest_during
+        if mode == "at_last_rank_only":
+            kds._Pending.digest_during = at_last_rank_only
         samples = []
         try:
             for i in range(args.warmup + args.reps):
@@ -939,11 +963,12 @@ def run(args):
         finally:
             TRANSFERS = None
             thread._timed, engine.digest = real_timed, real_digest
+            kds._Pending.digest_during = shipped_rule
         keys = sorted({k for s_ in samples for k in s_})
         return {k: summary([s_.get(k, 0.0) for s_ in samples]) for k in keys}
 
     results["over_link_last_chunk_breakdown"] = {
-        m: over_link_breakdown(m) for m in ("shipped", "all_inline", "off")}
+        m: over_link_breakdown(m) for m in ("shipped", "at_last_rank_only", "all_inline", "off")}
 
     # Where a direct chunk call's time goes: DeviceDigest's own marks (host clock and an event on
     # its stream at each step), relative to the call's start.
@@ -1395,6 +1420,7 @@ def section(r, name="kv_digest_cost.json"):
             ("last", ""): "on the digest thread, during the chunk's long transfers and at the status (shipped)",
             ("last", "_all_inline"): "inline, at the status (the previous shipped design)",
             ("last", "_no_eager"): "on the digest thread, all at the status (no digest during its transfers)",
+            ("last", "_at_last_rank_only"): "on the digest thread, one call at the last decode rank's first long transfer, the rest at the status (012a25a's schedule)",
         }.get((which, mode), mode)
         out.append(
             f"| {which} | {how} | {us(off['wall_s'])} "
@@ -1425,8 +1451,8 @@ def section(r, name="kv_digest_cost.json"):
         # a job kind the measured code did not have (since 0.5.23's lists are resolved in the
         # digest job itself, there are no resolve or queue jobs): "-"
         job = lambda m, k: f"{med(m, k):.0f}" if k in bd[m] else "-"  # noqa: E731
-        names = {"shipped": "shipped", "all_inline": "inline at the status (previous design)",
-                 "off": "digest off"}  # fmt: skip
+        names = {"shipped": "shipped", "at_last_rank_only": "012a25a's schedule (one call at the last rank)",
+                 "all_inline": "inline at the status (earlier design)", "off": "digest off"}  # fmt: skip
         out += ["", "Where a last chunk's time goes over the link (a separate pass with timing "
                 "wrappers; medians in µs): the worker's wait at the status; its time outside the "
                 "transfers (the hooks' hand-offs, and the GIL while the digest thread holds it); how "
@@ -1435,7 +1461,7 @@ def section(r, name="kv_digest_cost.json"):
                 "| last chunk | wall | wait at the status | worker outside transfers | transfers late | "
                 "thread: resolve / queue / digest jobs | engine calls (time) |",
                 "|---|---|---|---|---|---|---|"]
-        for m in ("shipped", "all_inline", "off"):
+        for m in ("shipped", "at_last_rank_only", "all_inline", "off"):
             if m not in bd:
                 continue
             out.append(

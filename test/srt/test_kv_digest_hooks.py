@@ -390,29 +390,40 @@ def test_a_last_chunk_is_digested_during_its_own_long_transfers_and_read_before_
 
 def test_a_last_chunk_hides_few_engine_calls_in_its_long_transfers():
     """Which long transfer of a last chunk also has the thread digest what is queued: with the
-    room's decode ranks known, once, at the last rank's first (the ranks before it, in one
-    call); for one decode rank, at its second; not known, at each new rank's first; never on a
-    middle chunk (its digest runs after it) or in the synchronous design."""
+    room's decode ranks known, once when half the ranks before the last were handed over, at the
+    last rank's first, and at each later one of the last rank that follows a hand-over (so the
+    status waits only for what the last transfers handed over); for one decode rank, at a long
+    transfer after a hand-over; not known, at each new rank's first; never on a middle chunk
+    (its digest runs after it) or in the synchronous design."""
     P = kv_digest_send._Pending
 
     def fired(p, sends):
         out = []
-        for s in sends:  # each a long transfer to session s, its blocks handed just before
-            before = set(p.handed)
+        for s, handed_first in sends:  # a long transfer to session s
+            # sglang's descriptor lists are handed over by the transfer hook, after the check;
+            # the draft's pages by its send, before its transfer
+            before = set(p.handed) | ({s} if handed_first else set())
             p.handed.add(s)
+            p.seen.add(s)
             if p.digest_during(s, before):
                 p.handed.clear()
-                out.append(s)
+                out.append(s if not handed_first else (s, "handed first"))
         return out
 
-    sends = [r for r in ("a", "b", "c") for _ in range(2)]  # two long transfers per rank
-    assert fired(P(last=True, ranks=3), sends) == ["c"]
-    assert fired(P(last=True, ranks=1), ["a", "a", "a"]) == ["a"]
+    sends = [(r, False) for r in ("a", "b", "c") for _ in range(2)]  # two long transfers per rank
+    assert fired(P(last=True, ranks=3), sends) == ["b", "c"]
+    assert fired(P(last=True, ranks=1), [("a", False)] * 3) == ["a"]
     assert fired(P(last=True, ranks=0), sends) == ["b", "c"]
     assert fired(P(last=False, ranks=3), sends) == []
     inline = P(last=True, ranks=3)
     inline.inline = True
     assert fired(inline, sends) == []
+    # Kimi-K3's last stage (kv_digest_cost.py): 8 decode ranks, each sent its target MLA entries
+    # then its draft: calls at rank 4's MLA (ranks 0..3 and it), rank 7's MLA (4..6 and it) and
+    # rank 7's draft; the status waits for rank 7's state only
+    k3 = [(r, draft) for r in range(8) for draft in (False, True)]
+    assert fired(P(last=True, ranks=8), k3) == [4, 7, (7, "handed first")]
+    assert fired(P(last=False, ranks=8), k3) == []
 
 
 def test_begin_chunk_counts_the_rooms_decode_ranks_from_sglangs_transfer_infos():

@@ -16,12 +16,13 @@ The thread resolves everything queued in one pass (``kv_digest.ListResolver``: a
 calls for every decode rank's lists, not a few per list) and digests it in one engine call
 (:func:`_digest_pending`). A middle chunk is digested once the worker is done with it, during
 the next chunk's transfers. A room's last chunk must be read before its status goes out (the
-prefill frees the request's pages after it) and nothing after it hides the work: the first
-transfer of at least ``EAGER_DIGEST_MIN_BYTES`` to its last decode rank also has the thread
-digest what the ranks before it handed over (one engine call, hidden by that transfer: engine
-calls are few and large, as each costs ~0.1-0.2 ms of thread time), so at the status the worker
-waits (bounded) only for the chunk's tail, its last decode rank's sends
-(``benchmark/gpu/results``, ``benchmark/kv_digest``: the cost; :meth:`_Pending.digest_during`).
+prefill frees the request's pages after it) and nothing after it hides the work: some of its
+transfers of at least ``EAGER_DIGEST_MIN_BYTES`` also have the thread digest what was handed
+over before them (an engine call hidden by that transfer: once half the decode ranks' sends
+were handed over, at the last rank's first, and at its later ones; engine calls are few and
+large, as each costs ~0.1-0.2 ms of thread time), so at the status the worker waits (bounded)
+only for the chunk's tail, what its last transfers handed over (``benchmark/gpu/results``,
+``benchmark/kv_digest``: the cost; :meth:`_Pending.digest_during`).
 
 Hooks (``sglang/srt/disaggregation/``):
 
@@ -184,6 +185,8 @@ class _Pending:
         self.inline = False
         # decode sessions whose sends were handed over since the last digest during a transfer
         self.handed: set = set()
+        self.seen: set = set()  # every decode session this chunk handed over sends for
+        self.halfway = False  # the engine call at half the decode ranks was made
         self.manager = None
         self.items: List[Tuple[int, str, object, object]] = []  # room, session, registration, what
         self.written: Tuple = ()
@@ -203,6 +206,7 @@ class _Pending:
                 self.written = written or self.written
                 self.items.append((int(room), session, registration, what))
                 self.handed.add(session)
+                self.seen.add(session)
         if other:
             error = RuntimeError("one transfer worker digesting for two KV managers")
             _fail(manager, room, session, error)
@@ -215,18 +219,27 @@ class _Pending:
 
     def digest_during(self, session: str, handed_before: set) -> bool:
         """Whether a long transfer to ``session`` should hide an engine call over what is
-        queued: on a last chunk, once every other decode rank's sends were handed over (the
-        last rank's first long transfer: one call for the ranks before it, the rest at the
-        status), or, for a single decode rank, at its second long transfer; with the ranks not
-        known, at the first long transfer to each new rank."""
+        queued, on a last chunk: its status waits for whatever the thread has not digested when
+        the last transfer ends, so the work is cut where transfers hide it. With the room's
+        decode ranks known, two calls cover the ranks before the last (at the first long
+        transfer once half of them were handed over, and at the last rank's first), and each
+        further long transfer to the last rank hides its own sends so far: the status waits
+        only for what its last transfers handed over. For a single decode rank, at each long
+        transfer after its first; with the ranks not known, at the first long transfer to each
+        new rank. Never on a middle chunk (digested after it) or in the synchronous design."""
         if not self.last or self.inline:
             return False
-        others = len(handed_before - {session})
-        if self.ranks > 1:
-            return others >= self.ranks - 1
         if self.ranks == 1:
             return session in handed_before
-        return others >= 1
+        if self.ranks == 0:
+            return bool(handed_before - {session})
+        others = len(self.seen - {session})
+        if others >= self.ranks - 1:
+            return bool(handed_before)
+        if others >= self.ranks // 2 and not self.halfway:
+            self.halfway = True
+            return True
+        return False
 
     def digest(self) -> None:
         """Digest what is queued (nothing: no job): here in the synchronous design, else on the
