@@ -1319,7 +1319,11 @@ TRIED_SCHEDULE = (
     "between jobs when none is open (commit 6bd2cc4, reverted: its run, "
     "[`kv_digest_cost_thread_windows_6bd2cc4.json`](kv_digest_cost_thread_windows_6bd2cc4.json), gave "
     "the last chunk +1480 us = 14.4% against 31.0% inline in the same run, the ratio this run gives "
-    "without it)."
+    "without it). The schedule before this run's (012a25a: one call, at the last decode rank's first "
+    "long transfer) is the `_at_last_rank_only` row above; its own run on the same machine, 13 "
+    "minutes earlier ([`kv_digest_cost_012a25a.json`](kv_digest_cost_012a25a.json)), gave the last "
+    "chunk +1705 us = 16.6%, the middle chunk +296 us = 2.9% (this run, with the middle chunk's code "
+    "unchanged: 4.4%: the spread between runs) and a 4-chunk request +2819 us = 7.0%."
 )
 
 
@@ -1482,7 +1486,7 @@ def section(r, name="kv_digest_cost.json"):
                 f"chunk {us(pr['shipped_send_path_last_chunk']['wall_s'])}")
         out += ["", f"The previous run of this file ({pp['date_utc']}, commit `{pp['project']['commit'][:12]}`, "
                 f"prefill rank {prev['prefill_rank']} -> decode ranks {prev['decode_ranks'][0]}.."
-                f"{prev['decode_ranks'][-1]}; summaries kept under `previous_run`; another machine and day, "
+                f"{prev['decode_ranks'][-1]}; summaries kept under `previous_run`; a separate run, "
                 f"so only this run's ratios compare): "
                 f"direct one call {us(pr['direct_call_formula_blocks']['wall_s'])}, 8 calls "
                 f"{us(pr['direct_calls_per_rank_formula_blocks']['wall_s'])}, MLA once "
