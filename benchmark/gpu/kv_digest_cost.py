@@ -917,22 +917,36 @@ def run(args):
         global TRANSFERS
         thread = sp.manager._dflash_kv_digest.thread
         engine = sp.engine
-        real_timed, real_digest = thread._timed, engine.digest
-        jobs, engine_calls = {}, []
+        real_timed, real_digest, real_resolved = thread._timed, engine.digest, kds._resolved_lists
+        jobs, engine_calls, job_parts = {}, [], []  # job_parts: per digest job, in order
 
         def timed_job(fn, *a):
             t0 = time.perf_counter()
+            if fn is kds._digest_pending:
+                job_parts.append(dict(resolve=0.0, engine=0.0))
             real_timed(fn, *a)
             name = getattr(fn, "__name__", "?")
             jobs[name] = jobs.get(name, 0.0) + time.perf_counter() - t0
+            if fn is kds._digest_pending:
+                job_parts[-1]["job"] = time.perf_counter() - t0
 
         def counted(blocks, k, wait_events=()):
             t0 = time.perf_counter()
             out = real_digest(blocks, k, wait_events=wait_events)
             engine_calls.append(time.perf_counter() - t0)
+            if job_parts:
+                job_parts[-1]["engine"] += engine_calls[-1]
             return out
 
-        thread._timed, engine.digest = timed_job, counted
+        def resolved(*a):
+            t0 = time.perf_counter()
+            try:
+                return real_resolved(*a)
+            finally:
+                if job_parts:
+                    job_parts[-1]["resolve"] += time.perf_counter() - t0
+
+        thread._timed, engine.digest, kds._resolved_lists = timed_job, counted, resolved
         shipped_rule = kds._Pending.digest_during
         if mode == "at_last_rank_only":
             kds._Pending.digest_during = at_last_rank_only
@@ -941,6 +955,7 @@ def run(args):
             for i in range(args.warmup + args.reps):
                 TRANSFERS, jobs_before = [], dict(jobs)
                 engine_calls.clear()
+                job_parts.clear()
                 e = kv_written()
                 r = next(sp.rooms)
                 t0 = time.perf_counter()
@@ -959,10 +974,13 @@ def run(args):
                         worker_outside_transfers=(t_flush - t0) - in_transfers,
                         transfers_late=sum((b - a) - want for want, a, b in moved),
                         engine_calls=len(engine_calls), engine_s=sum(engine_calls),
+                        # the digest job the status waited for (the chunk's last one), and its parts
+                        **({f"tail_job_{k}": v for k, v in job_parts[-1].items()}
+                           if mode == "shipped" and job_parts else {}),
                         **{f"thread_{k}": v - jobs_before.get(k, 0.0) for k, v in jobs.items()}))
         finally:
             TRANSFERS = None
-            thread._timed, engine.digest = real_timed, real_digest
+            thread._timed, engine.digest, kds._resolved_lists = real_timed, real_digest, real_resolved
             kds._Pending.digest_during = shipped_rule
         keys = sorted({k for s_ in samples for k in s_})
         return {k: summary([s_.get(k, 0.0) for s_ in samples]) for k in keys}
@@ -1474,6 +1492,11 @@ def section(r, name="kv_digest_cost.json"):
                 f"{job(m, 'thread__resolve_job')} / {job(m, 'thread__queue_job')} / "
                 f"{job(m, 'thread__digest_pending')} | {bd[m]['engine_calls']['median']:.0f} "
                 f"({med(m, 'engine_s'):.0f}) |")  # fmt: skip
+        if "tail_job_job" in bd.get("shipped", {}):
+            out += ["", "The digest job the shipped status waits for (the chunk's last; medians in µs): "
+                    f"{med('shipped', 'tail_job_job'):.0f} in all, resolving sglang's descriptor lists "
+                    f"{med('shipped', 'tail_job_resolve'):.0f}, the engine call "
+                    f"{med('shipped', 'tail_job_engine'):.0f} (its fixed part: `direct_call_empty` above)."]
     prev = r.get("previous_run")
     if prev:
         pp = prev["provenance"]
