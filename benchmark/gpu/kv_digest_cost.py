@@ -1332,16 +1332,18 @@ TRIED = (
 TRIED_SCHEDULE = (
     "Tried for the last chunk's schedule (send side, over the link): an engine call hidden by every "
     "long transfer (commit 6cae7f9: up to 16 engine calls per last chunk where the shipped schedule "
-    "makes 2; superseded, its run not kept), and the digest thread held to the workers' GIL-free "
+    "made 2, the shipped one 3; superseded, its run not kept), and the digest thread held to the workers' GIL-free "
     "windows, stopping "
     "between jobs when none is open (commit 6bd2cc4, reverted: its run, "
     "[`kv_digest_cost_thread_windows_6bd2cc4.json`](kv_digest_cost_thread_windows_6bd2cc4.json), gave "
     "the last chunk +1480 us = 14.4% against 31.0% inline in the same run, the ratio this run gives "
     "without it). The schedule before this run's (012a25a: one call, at the last decode rank's first "
-    "long transfer) is the `_at_last_rank_only` row above; its own run on the same machine, 13 "
-    "minutes earlier ([`kv_digest_cost_012a25a.json`](kv_digest_cost_012a25a.json)), gave the last "
-    "chunk +1705 us = 16.6%, the middle chunk +296 us = 2.9% (this run, with the middle chunk's code "
-    "unchanged: 4.4%: the spread between runs) and a 4-chunk request +2819 us = 7.0%."
+    "long transfer) is the `_at_last_rank_only` row above. Its own run, on the same machine "
+    "([`kv_digest_cost_012a25a.json`](kv_digest_cost_012a25a.json)), gave the last chunk +1705 us = "
+    "16.6%, the middle chunk +296 us = 2.9% and a 4-chunk request +2819 us = 7.0%; the first run of "
+    "this schedule ([`kv_digest_cost_f155aac.json`](kv_digest_cost_f155aac.json), the same shipped "
+    "code as this run) gave the last chunk 15.8% against 18.2% for 012a25a's in the same run, the "
+    "middle chunk 4.4% and the request 7.7%: the spread between runs."
 )
 
 
@@ -1496,7 +1498,8 @@ def section(r, name="kv_digest_cost.json"):
             out += ["", "The digest job the shipped status waits for (the chunk's last; medians in µs): "
                     f"{med('shipped', 'tail_job_job'):.0f} in all, resolving sglang's descriptor lists "
                     f"{med('shipped', 'tail_job_resolve'):.0f}, the engine call "
-                    f"{med('shipped', 'tail_job_engine'):.0f} (its fixed part: `direct_call_empty` above)."]
+                    f"{med('shipped', 'tail_job_engine'):.0f} (an engine call with no blocks, "
+                    f"`direct_call_empty`: {res['direct_call_empty']['wall_s']['median'] * 1e6:.0f})."]
     prev = r.get("previous_run")
     if prev:
         pp = prev["provenance"]
