@@ -456,7 +456,16 @@ class SendPath:
             self.state[r] = state_descriptors(g, r, state_src, reg.dst_state_data_ptrs[0], slice_fn)
         # sglang's transfer_infos: every room goes to the 8 decode ranks (begin_chunk counts them)
         self.manager.transfer_infos = _EveryRoom(
-            {s: SimpleNamespace(is_dummy=False) for s in self.sessions.values()})
+            {s: SimpleNamespace(is_dummy=False, mooncake_session_id=s) for s in self.sessions.values()})
+        rank_of = {s: r for r, s in self.sessions.items()}
+
+        def maybe_send_extra(req, state_indices, executor, registration=None):
+            """sglang's state send to one decode rank as the hooked engine sees it (what
+            ``kv_digest_send.prepare_states`` runs dry on the digest thread)."""
+            s = req.mooncake_session_id
+            return kds.batch_transfer_sync_around(_moved, self.mooncake, s, *self.state[rank_of[s]])
+
+        self.manager.maybe_send_extra = maybe_send_extra
         self.rooms = itertools.count(1000)
         self.popped = {}
         # The same rank with the digest off (what every hook sees when the flag is not given).
@@ -481,7 +490,8 @@ class SendPath:
         m = self.manager if digest else self.manager_off
         move = _moved if link_bps is None else _moving(link_bps)
         # the transfer worker hook's begin_chunk / end_chunk (the chunk's _Pending)
-        mdk.begin_chunk(m, SimpleNamespace(room=room, wait_event=wait_event, is_last_chunk=last))
+        mdk.begin_chunk(m, SimpleNamespace(room=room, wait_event=wait_event, is_last_chunk=last,
+                                           state_indices=[[SRC_STATE_SLOT]] if last else None))
         if inline and digest:  # the synchronous variant: this chunk digested by the worker
             kds._pending().inline = True
         try:
@@ -561,6 +571,11 @@ class SendPath:
         if last:
             n += sum(sum(self.state[r][2]) for r in self.g.decode_ranks)
         return n
+
+
+def no_prepare(manager, chunk):
+    """``kv_digest_send.prepare_states`` off (modes ``_no_prepare``, ``_at_last_rank_only``: the
+    code before it, where a last chunk's state is digested at its send)."""
 
 
 def at_last_rank_only(self, session, handed_before):
@@ -768,9 +783,11 @@ def run(args):
     kds = sp.kds
     modes = {"": dict(inline=False), "_all_inline": dict(inline=True),
              "_no_eager": dict(inline=False, eager_min_bytes=1 << 62),
-             "_at_last_rank_only": dict(inline=False, digest_during=at_last_rank_only)}  # fmt: skip
+             "_no_prepare": dict(inline=False, prepare=False),
+             "_at_last_rank_only": dict(inline=False, digest_during=at_last_rank_only, prepare=False)}  # fmt: skip
     mode_chunks = {"": ("middle", "last"), "_all_inline": ("middle", "last"), "_no_eager": ("last",),
-                   "_at_last_rank_only": ("last",)}  # fmt: skip
+                   "_no_prepare": ("last",), "_at_last_rank_only": ("last",)}  # fmt: skip
+    shipped_prepare = kds.prepare_states
     thread_use.update({f"{w}{m}": dict(lag=[], busy=[]) for m in modes for w in mode_chunks[m]})
 
     def over_link(last, on, mode=""):
@@ -780,12 +797,15 @@ def run(args):
             shipped_eager, shipped_rule = kds.EAGER_DIGEST_MIN_BYTES, kds._Pending.digest_during
             kds.EAGER_DIGEST_MIN_BYTES = modes[mode].get("eager_min_bytes", shipped_eager)
             kds._Pending.digest_during = modes[mode].get("digest_during", shipped_rule)
+            if not modes[mode].get("prepare", True):
+                kds.prepare_states = no_prepare
             try:
                 return sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on,
                                 inline=modes[mode]["inline"])  # fmt: skip
             finally:
                 kds.EAGER_DIGEST_MIN_BYTES = shipped_eager
                 kds._Pending.digest_during = shipped_rule
+                kds.prepare_states = shipped_prepare
         return fn
 
     def drained(last, mode=""):
@@ -950,6 +970,8 @@ def run(args):
         shipped_rule = kds._Pending.digest_during
         if mode == "at_last_rank_only":
             kds._Pending.digest_during = at_last_rank_only
+        if mode in ("at_last_rank_only", "no_prepare"):
+            kds.prepare_states = no_prepare
         samples = []
         try:
             for i in range(args.warmup + args.reps):
@@ -976,17 +998,19 @@ def run(args):
                         engine_calls=len(engine_calls), engine_s=sum(engine_calls),
                         # the digest job the status waited for (the chunk's last one), and its parts
                         **({f"tail_job_{k}": v for k, v in job_parts[-1].items()}
-                           if mode == "shipped" and job_parts else {}),
+                           if mode in ("shipped", "no_prepare") and job_parts else {}),
                         **{f"thread_{k}": v - jobs_before.get(k, 0.0) for k, v in jobs.items()}))
         finally:
             TRANSFERS = None
             thread._timed, engine.digest, kds._resolved_lists = real_timed, real_digest, real_resolved
             kds._Pending.digest_during = shipped_rule
+            kds.prepare_states = shipped_prepare
         keys = sorted({k for s_ in samples for k in s_})
         return {k: summary([s_.get(k, 0.0) for s_ in samples]) for k in keys}
 
     results["over_link_last_chunk_breakdown"] = {
-        m: over_link_breakdown(m) for m in ("shipped", "at_last_rank_only", "all_inline", "off")}
+        m: over_link_breakdown(m)
+        for m in ("shipped", "no_prepare", "at_last_rank_only", "all_inline", "off")}
 
     # Where a direct chunk call's time goes: DeviceDigest's own marks (host clock and an event on
     # its stream at each step), relative to the call's start.
@@ -1444,7 +1468,8 @@ def section(r, name="kv_digest_cost.json"):
             ("last", ""): "on the digest thread, during the chunk's long transfers and at the status (shipped)",
             ("last", "_all_inline"): "inline, at the status (the previous shipped design)",
             ("last", "_no_eager"): "on the digest thread, all at the status (no digest during its transfers)",
-            ("last", "_at_last_rank_only"): "on the digest thread, one call at the last decode rank's first long transfer, the rest at the status (012a25a's schedule)",
+            ("last", "_at_last_rank_only"): "on the digest thread, one call at the last decode rank's first long transfer, the rest at the status (012a25a's schedule, the state digested at its send)",
+            ("last", "_no_prepare"): "shipped, but the state digested at its send, not from the chunk's start (e7c7ad6's code)",
         }.get((which, mode), mode)
         out.append(
             f"| {which} | {how} | {us(off['wall_s'])} "
@@ -1475,7 +1500,8 @@ def section(r, name="kv_digest_cost.json"):
         # a job kind the measured code did not have (since 0.5.23's lists are resolved in the
         # digest job itself, there are no resolve or queue jobs): "-"
         job = lambda m, k: f"{med(m, k):.0f}" if k in bd[m] else "-"  # noqa: E731
-        names = {"shipped": "shipped", "at_last_rank_only": "012a25a's schedule (one call at the last rank)",
+        names = {"shipped": "shipped", "no_prepare": "the state digested at its send (e7c7ad6)",
+                 "at_last_rank_only": "012a25a's schedule (one call at the last rank)",
                  "all_inline": "inline at the status (earlier design)", "off": "digest off"}  # fmt: skip
         out += ["", "Where a last chunk's time goes over the link (a separate pass with timing "
                 "wrappers; medians in µs): the worker's wait at the status; its time outside the "
@@ -1485,7 +1511,7 @@ def section(r, name="kv_digest_cost.json"):
                 "| last chunk | wall | wait at the status | worker outside transfers | transfers late | "
                 "thread: resolve / queue / digest jobs | engine calls (time) |",
                 "|---|---|---|---|---|---|---|"]
-        for m in ("shipped", "at_last_rank_only", "all_inline", "off"):
+        for m in ("shipped", "no_prepare", "at_last_rank_only", "all_inline", "off"):
             if m not in bd:
                 continue
             out.append(
@@ -1494,12 +1520,13 @@ def section(r, name="kv_digest_cost.json"):
                 f"{job(m, 'thread__resolve_job')} / {job(m, 'thread__queue_job')} / "
                 f"{job(m, 'thread__digest_pending')} | {bd[m]['engine_calls']['median']:.0f} "
                 f"({med(m, 'engine_s'):.0f}) |")  # fmt: skip
-        if "tail_job_job" in bd.get("shipped", {}):
-            out += ["", "The digest job the shipped status waits for (the chunk's last; medians in µs): "
-                    f"{med('shipped', 'tail_job_job'):.0f} in all, resolving sglang's descriptor lists "
-                    f"{med('shipped', 'tail_job_resolve'):.0f}, the engine call "
-                    f"{med('shipped', 'tail_job_engine'):.0f} (an engine call with no blocks, "
-                    f"`direct_call_empty`: {res['direct_call_empty']['wall_s']['median'] * 1e6:.0f})."]
+        tails = [m for m in ("shipped", "no_prepare") if "tail_job_job" in bd.get(m, {})]
+        if tails:
+            out += ["", "The digest job the status waits for (the chunk's last; medians in µs): " + "; ".join(
+                f"{names[m]}: {med(m, 'tail_job_job'):.0f} in all, resolving sglang's descriptor lists "
+                f"{med(m, 'tail_job_resolve'):.0f}, engine calls {med(m, 'tail_job_engine'):.0f}"
+                for m in tails) + " (an engine call with no blocks, `direct_call_empty`: "
+                f"{res['direct_call_empty']['wall_s']['median'] * 1e6:.0f})."]
     prev = r.get("previous_run")
     if prev:
         pp = prev["provenance"]

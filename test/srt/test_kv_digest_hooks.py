@@ -482,3 +482,102 @@ def test_a_descriptor_below_its_decodes_buffers_fails_its_room_and_the_rest_is_d
     want = digest_blocks_host(Blocks.of([src.ctypes.data], [0], 256, 0), keys)
     assert manager._dflash_kv_digest.pop(3, "d0").sums == {(1, 0): int(want[0])}
     assert manager._dflash_kv_digest.pop(3, "d1").sums == {}
+
+
+def _state_manager(engine, failures, sent, state_lists):
+    """A manager whose decode rank ``d0`` has one state buffer, and whose ``maybe_send_extra``
+    sends ``state_lists()`` (sglang's state send, as the hooked transfer engine sees it)."""
+    regs, manager = _chunk_manager(engine, failures, sent)
+    regs["d0"].dst_state_data_ptrs = [[1 << 42]]
+    original, calls = _recording()
+    manager.state_sends = calls
+
+    def maybe_send_extra(req, states, executor, registration=None):
+        for src, dst, length in state_lists():
+            kv_digest_send.batch_transfer_sync_around(original, manager.engine,
+                                                      req.mooncake_session_id, src, dst, length)
+        return 0
+
+    manager.maybe_send_extra = maybe_send_extra
+    manager.transfer_infos = {7: {"d0": types.SimpleNamespace(
+        is_dummy=False, mooncake_session_id="d0", dst_state_indices=[[0]])}}  # fmt: skip
+    return regs, manager
+
+
+def _last_chunk_with_state(manager, regs, state_lists, send_state=True):
+    """Room 7's last chunk to d0: its state send (if ``send_state``) and its aux; the engine
+    calls the digest made, and how many of them came after the worker's state send."""
+    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
+
+    thread = manager._dflash_kv_digest.thread
+    manager.request_status[7] = KVPoll.Transferring
+    mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(
+        room=7, wait_event=None, is_last_chunk=True, state_indices=[[3]]))  # fmt: skip
+    try:
+        assert thread.wait(5)  # the prepare job ran (it would run during the chunk's KV)
+        before = len(manager.engine_calls)
+        if send_state:
+            req = manager.transfer_infos[7]["d0"]
+            original, _ = _recording()
+            with kv_digest_send.state_scope(manager, req, None):
+                for src, dst, length in state_lists():
+                    kv_digest_send.batch_transfer_sync_around(original, manager.engine, "d0",
+                                                              src, dst, length)
+        aux = types.SimpleNamespace(room=7, mooncake_session_id="d0", is_dummy=False,
+                                    required_dst_info_num=1, endpoint="127.0.0.1", dst_port=1)
+        kv_digest_send.send_aux_around(lambda *a, **k: 0, manager, aux)
+    finally:
+        mooncake_draft_kv.end_chunk()
+    return len(manager.engine_calls) - before
+
+
+def _counting_engine(calls):
+    from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
+
+    class Counting(DigestEngine):
+        def digest(self, blocks, keys, wait_events=()):
+            calls.append(blocks.total_bytes)
+            return super().digest(blocks, keys, wait_events)
+
+    return Counting("cpu")
+
+
+@pytest.mark.parametrize("case", ["sent as prepared", "not sent", "sent otherwise"])
+def test_a_last_chunks_state_is_digested_from_its_start_and_only_what_is_sent_is_added(case):
+    """On a room's last chunk with a state, the digest thread runs sglang's state send dry at the
+    chunk's start (nothing transferred) and digests it then: when the worker's state send hands
+    over the same lists, the status makes no engine call and the sums are the sent bytes'; a
+    state the worker does not send adds nothing; lists the send does not repeat are digested as
+    they come."""
+    import numpy as np
+
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks, BufferKind, buffer_key
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import decode, digest_blocks_host
+
+    src = np.random.default_rng(11).integers(0, 256, 1024, dtype=np.uint8)
+    base = src.ctypes.data
+    prepared = ([base, base + 512], [1 << 42, (1 << 42) + 512], [256, 256])
+    lists = [prepared]
+    failures, sent, calls = [], [], []
+    regs, manager = _state_manager(_counting_engine(calls), failures, sent, lambda: lists)
+    manager.engine_calls = calls
+    if case == "sent otherwise":  # the worker's send differs from the dry run's
+        sent_lists = [([base + 256], [(1 << 42) + 256], [512])]
+    else:
+        sent_lists = lists
+    after_state = _last_chunk_with_state(manager, regs, lambda: sent_lists,
+                                         send_state=case != "not sent")  # fmt: skip
+    assert failures == [] and len(sent) == 1
+    assert manager.state_sends == []  # the dry run moved nothing
+    assert calls[0] == 512  # the prepare job's one engine call, at the chunk's start
+    sums = decode(sent[0]).sums
+    key = [buffer_key(BufferKind.KV, 0), buffer_key(BufferKind.STATE, 0)]
+    if case == "not sent":
+        assert sums == {} and after_state == 0
+        return
+    srcs, dsts, lens = sent_lists[0]
+    want = digest_blocks_host(
+        Blocks.concat([Blocks.of([s], [d - (1 << 42)], n, 1) for s, d, n in zip(srcs, dsts, lens)]),
+        key)  # fmt: skip
+    assert sums == {(int(BufferKind.STATE), 0): int(want[1])}
+    assert after_state == (0 if case == "sent as prepared" else 1)

@@ -22,7 +22,9 @@ over before them (an engine call hidden by that transfer: once half the decode r
 were handed over, at the last rank's first, and at its later ones; engine calls are few and
 large, as each costs ~0.1-0.2 ms of thread time), so at the status the worker waits (bounded)
 only for the chunk's tail, what its last transfers handed over (``benchmark/gpu/results``,
-``benchmark/kv_digest``: the cost; :meth:`_Pending.digest_during`).
+``benchmark/kv_digest``: the cost; :meth:`_Pending.digest_during`). Its state sends, sent last,
+are known from its start: the thread runs them dry then and digests them while the KV moves
+(:func:`prepare_states`), so the tail holds no state to digest.
 
 Hooks (``sglang/srt/disaggregation/``):
 
@@ -38,7 +40,8 @@ Hooks (``sglang/srt/disaggregation/``):
   ``mooncake_draft_kv`` makes for one decode rank, or the state send below), the descriptors
   sglang built are digested on their way to the engine, their destinations resolved against the
   decode's registered buffers; a transfer of at least ``WINDOW_MIN_BYTES`` wakes the digest
-  thread for the worker's GIL-free wait.
+  thread for the worker's GIL-free wait. On the digest thread, in a state send run dry
+  (:func:`prepare_states`), the descriptors are kept and the engine is not called.
 * AROUND ``MooncakeKVManager.maybe_send_extra``: the room's state send, in a scope.
 * AROUND ``MooncakeKVManager.send_aux``: the decode rank's contribution, then the aux data.
 
@@ -195,6 +198,9 @@ class _Pending:
         # to each rank that holds it; whichever digest sees such a part first, the others reuse
         # its sums (also across the engine calls of one last chunk).
         self.known: Dict[Tuple, np.ndarray] = {}
+        # State sends prepared at the chunk's start (:func:`prepare_states`): sglang's lists as
+        # tuples -> (blocks, signature), their sums in ``known``.
+        self.prepared: Dict[Tuple, Tuple[Blocks, Tuple]] = {}
         self._lock = threading.Lock()  # sglang's executor threads hand over here too
 
     def hand(self, manager, room: int, session: str, registration, what, written) -> None:
@@ -278,17 +284,21 @@ def add_blocks(manager, room: Optional[int], session: str, registration, blocks)
     _pending().hand(manager, int(room), session, registration, blocks, transfer_chunk.written())
 
 
-def _signed_parts(resolver: ListResolver, items) -> List[Tuple]:
+def _signed_parts(resolver: ListResolver, items, prepared=None) -> List[Tuple]:
     """``items`` (a :meth:`_Pending.take`) as ``(room, session, registration, blocks,
     signature)``, signatures equal for parts whose sums are equal (the same blocks over
     registrations of the same sizes: the keys are a function of the tables' sizes,
     ``kv_digest.buffer_key``). Blocks None: a part that failed (its error as the signature), or
-    a function that built nothing (signature None)."""
+    a function that built nothing (signature None). ``prepared``: state lists already resolved
+    (:func:`prepare_states`), by their tuples."""
     prints: Dict[int, bytes] = {}  # one fingerprint per distinct Blocks object
     out: Dict[int, Tuple] = {}
     lists, tables = [], []
     for i, (room, session, reg, what) in enumerate(items):
-        if isinstance(what, _Descriptors):
+        hit = prepared.get(_list_key(what)) if prepared and _preparable(what) else None
+        if hit is not None:
+            out[i] = (room, session, reg) + hit
+        elif isinstance(what, _Descriptors):
             try:  # a registration whose tables cannot be made fails its own room only
                 tables.append(_table_of(reg, what.kind))
                 lists.append(i)
@@ -347,6 +357,99 @@ def _table_of(registration, kind: BufferKind) -> BufferTable:
     return kv if kind is BufferKind.KV else state
 
 
+def _preparable(what) -> bool:
+    return isinstance(what, _Descriptors) and what.kind is BufferKind.STATE
+
+
+def _list_key(what: _Descriptors) -> Tuple:
+    return (tuple(what.src), tuple(what.dst), tuple(what.length))
+
+
+def prepare_states(manager, chunk) -> None:
+    """On a room's last chunk (``chunk``) with a state to send: its state sends are known from
+    its start, so the digest thread digests them then, while the chunk's KV moves. The thread
+    runs sglang's own state send (``maybe_send_extra``) for each of the room's decode ranks
+    dry (:func:`captured_transfer`: its descriptors kept, nothing moved) and digests the
+    descriptors in one engine call; when the worker's real state send hands over the same
+    lists, at the chunk's end, their sums are known and the status does not wait for an
+    engine call. A list the real send does not repeat is digested as it comes (nothing is
+    added for a state the worker does not send)."""
+    digest = digest_of(manager)
+    states = getattr(chunk, "state_indices", None)
+    pending = getattr(_scope, "pending", None)
+    if digest is None or not states or pending is None or not pending.last:
+        return
+    infos = ((getattr(manager, "transfer_infos", None) or {}).get(chunk.room) or {}).values()
+    reqs = [r for r in infos if not getattr(r, "is_dummy", False)]
+    if reqs:
+        digest.thread.submit(_prepare_states, pending, manager, int(chunk.room), states, reqs,
+                             transfer_chunk.written())  # fmt: skip
+
+
+def _prepare_states(pending: _Pending, manager, room: int, states, reqs, written) -> None:
+    if pending.inline:  # the synchronous design digests its chunk where it sends it
+        return
+    found: Dict[Tuple, Tuple] = {}  # the lists' tuples -> (room, session, registration, lists)
+    captured = _scope.capture = []
+    try:
+        for req in reqs:
+            session = req.mooncake_session_id
+            reg = (getattr(manager, "decode_kv_args_table", None) or {}).get(session)
+            if reg is None:
+                continue
+            try:
+                manager.maybe_send_extra(req, states, None, reg)
+            except Exception as e:  # the real send raises it again, where sglang handles it
+                logger.debug("KV digest: room %s's state send could not be prepared: %r", room, e)
+            for what in captured:
+                found.setdefault(_list_key(what), (room, session, reg, what))
+            captured.clear()
+    finally:
+        _scope.capture = None
+    keys = list(found)
+    parts = _signed_parts(digest_of(manager).resolver, [found[k] for k in keys])
+    if _known_sums(pending, manager, [p for p in parts if p[3] is not None and p[3].count], written):
+        pending.prepared.update({k: (p[3], p[4]) for k, p in zip(keys, parts)
+                                 if p[3] is not None and p[4] in pending.known})  # fmt: skip
+
+
+def captured_transfer(session_id, buffers, peer_buffer_addresses, lengths) -> bool:
+    """True when this thread runs a send dry (:func:`prepare_states`): the transfer's
+    descriptors are kept, and the transfer must not happen."""
+    captured = getattr(_scope, "capture", None)
+    if captured is None:
+        return False
+    captured.append(_Descriptors(BufferKind.STATE, list(buffers), list(peer_buffer_addresses),
+                                 list(lengths)))  # fmt: skip
+    return True
+
+
+def _known_sums(pending: _Pending, manager, parts, written) -> bool:
+    """Digest the ``parts`` whose sums ``pending`` does not know yet, in one engine call, into
+    ``pending.known``; False (their rooms failed) if the call raised."""
+    todo: Dict[Tuple, Tuple[Blocks, List[int]]] = {}
+    for _, _, registration, blocks, signature in parts:
+        if signature not in pending.known and signature not in todo:
+            todo[signature] = (blocks, _tables_and_keys(registration)[1])
+    if not todo:
+        return True
+    keys: List[int] = []
+    shifted, bases = [], {}
+    for signature, (blocks, reg_keys) in todo.items():
+        bases[signature] = (len(keys), len(reg_keys))
+        shifted.append(blocks._replace(slot=blocks.slot + len(keys)))
+        keys.extend(reg_keys)
+    try:
+        sums = digest_of(manager).engine.digest(Blocks.concat(shifted), keys, wait_events=written)
+    except Exception as e:
+        for room, session in {(r, s) for r, s, _, _, _ in parts}:
+            _fail(manager, room, session, e)
+        return False
+    for signature, (base, n) in bases.items():
+        pending.known[signature] = sums[base : base + n]
+    return True
+
+
 def _digest_pending(pending: _Pending) -> None:
     """Resolve and digest every send ``pending`` holds, in one engine call (parts whose sums this
     chunk already knows: none), and add the sums to their rooms."""
@@ -355,32 +458,16 @@ def _digest_pending(pending: _Pending) -> None:
     if digest is None or not items:
         return
     parts = []
-    for room, session, registration, blocks, signature in _signed_parts(digest.resolver, items):
+    for room, session, registration, blocks, signature in _signed_parts(
+            digest.resolver, items, pending.prepared):
         if blocks is None and signature is None:  # a function that built nothing
             continue
         if blocks is None:
             _fail(manager, room, session, signature)
         elif blocks.count:
             parts.append((room, session, registration, blocks, signature))
-    todo: Dict[Tuple, Tuple[Blocks, List[int]]] = {}
-    for _, _, registration, blocks, signature in parts:
-        if signature not in pending.known and signature not in todo:
-            todo[signature] = (blocks, _tables_and_keys(registration)[1])
-    if todo:
-        keys: List[int] = []
-        shifted, bases = [], {}
-        for signature, (blocks, reg_keys) in todo.items():
-            bases[signature] = (len(keys), len(reg_keys))
-            shifted.append(blocks._replace(slot=blocks.slot + len(keys)))
-            keys.extend(reg_keys)
-        try:
-            sums = digest.engine.digest(Blocks.concat(shifted), keys, wait_events=written)
-        except Exception as e:
-            for room, session in {(r, s) for r, s, _, _, _ in parts}:
-                _fail(manager, room, session, e)
-            return
-        for signature, (base, n) in bases.items():
-            pending.known[signature] = sums[base : base + n]
+    if not _known_sums(pending, manager, parts, written):
+        return
     for room, session, registration, _, signature in parts:
         digest.add(room, session, tables_of(registration), pending.known[signature])
 
@@ -489,11 +576,14 @@ class scope:
         return False
 
 
-def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths) -> None:
+def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths) -> bool:
     """What ``MooncakeTransferEngine.batch_transfer_sync`` is about to send: digested where a
     digest scope for ``session_id`` is open on this thread (sglang's descriptor lists, resolved
     against the decode's buffers); a large transfer wakes the digest thread, as the GIL is free
-    while Mooncake moves the bytes. Runs where ``batch_transfer_sync`` starts."""
+    while Mooncake moves the bytes. Runs where ``batch_transfer_sync`` starts; True: a send run
+    dry on the digest thread (:func:`prepare_states`), whose transfer must not happen."""
+    if captured_transfer(session_id, buffers, peer_buffer_addresses, lengths):
+        return True
     current = getattr(_scope, "value", None)
     pending = current.pending if current is not None else getattr(_scope, "pending", None)
     handed_before = set(pending.handed) if pending is not None and pending.last else set()
@@ -516,11 +606,13 @@ def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths)
             pending.handed.clear()  # what is queued, digested during this transfer
             pending.digest()
         digest.thread.wake()  # the GIL is free while Mooncake moves the bytes
+    return False
 
 
 def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_addresses,
                                lengths, *args, **kwargs):  # fmt: skip
-    digest_transfer(self, session_id, buffers, peer_buffer_addresses, lengths)
+    if digest_transfer(self, session_id, buffers, peer_buffer_addresses, lengths):
+        return 0  # a send run dry on the digest thread (prepare_states): nothing moves
     return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
 
 
@@ -587,11 +679,12 @@ def begin_chunk(manager, chunk) -> None:
     ranks = sum(1 for r in infos.values() if not getattr(r, "is_dummy", False))
     _scope.pending = _Pending(last=bool(getattr(chunk, "is_last_chunk", False)), ranks=ranks)
     statuses = getattr(manager, "request_status", None)
-    if statuses is None:
-        return
-    status = statuses.get(chunk.room)
-    if status is None or _failed(status):  # after the sums its earlier chunks' jobs still add
+    status = statuses.get(chunk.room) if statuses is not None else None
+    if statuses is not None and (status is None or _failed(status)):
+        # after the sums its earlier chunks' jobs still add
         digest.thread.submit(digest.forget_room, chunk.room)
+        return
+    prepare_states(manager, chunk)
 
 
 def _failed(status) -> bool:

@@ -64,9 +64,11 @@ moves the bytes (its transfers release the GIL); the send path only hands it the
 lists and the draft's page lists, and the thread resolves all that is queued in one pass and
 digests it in one engine call. A middle chunk is digested after it, during the next chunk. A
 room's last chunk must be read before the room's status (the prefill frees the request's pages
-once the status is out): what the decode ranks before the last were sent is digested during the
-last rank's first long transfer, the last rank's at the status. The worker's wait for the thread
-is bounded by ``SGLANG_DFLASH_KV_DIGEST_TIMEOUT_S``.
+once the status is out): its work is cut where its own long transfers hide it, and its state
+sends, known from its start, are run dry on the digest thread then (:func:`prepare_states`:
+``batch_transfer_sync`` moves nothing for them, :func:`digest_transfer` says so) and digested
+while the KV moves, so the status waits only for what its last transfers handed over. The
+worker's wait for the thread is bounded by ``SGLANG_DFLASH_KV_DIGEST_TIMEOUT_S``.
 
 Startup (:func:`start_send_digest`, from ``PrefillBootstrapQueue.__init__``): the digest engine
 (``kv_digest_engine``: the kernel compiled, buffers allocated) and its thread, before serving;
@@ -140,7 +142,8 @@ PR_16 = PR(
             "MooncakeTransferEngine.batch_transfer_sync",
             at="start",
             code="""
-            digest_transfer(self, session_id, buffers, peer_buffer_addresses, lengths)
+            if digest_transfer(self, session_id, buffers, peer_buffer_addresses, lengths):
+                return 0  # a state send run dry on the digest thread: its descriptors kept
             """,
         ),
         AddImport(
