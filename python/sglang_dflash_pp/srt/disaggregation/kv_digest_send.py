@@ -379,8 +379,9 @@ def prepare_states(manager, chunk) -> None:
     pending = getattr(_scope, "pending", None)
     if digest is None or not states or pending is None or not pending.last:
         return
-    infos = ((getattr(manager, "transfer_infos", None) or {}).get(chunk.room) or {}).values()
-    reqs = [r for r in infos if not getattr(r, "is_dummy", False)]
+    table = getattr(manager, "transfer_infos", None)
+    infos = (table.get(chunk.room) if table is not None else None) or {}
+    reqs = [r for r in infos.values() if not getattr(r, "is_dummy", False)]
     if reqs:
         digest.thread.submit(_prepare_states, pending, manager, int(chunk.room), states, reqs,
                              transfer_chunk.written())  # fmt: skip
