@@ -461,9 +461,12 @@ class SendPath:
 
         def maybe_send_extra(req, state_indices, executor, registration=None):
             """sglang's state send to one decode rank as the hooked engine sees it (what
-            ``kv_digest_send.prepare_states`` runs dry on the digest thread)."""
-            s = req.mooncake_session_id
-            return kds.batch_transfer_sync_around(_moved, self.mooncake, s, *self.state[rank_of[s]])
+            ``kv_digest_send.prepare_states`` runs dry on the digest thread): its descriptors
+            built as sglang's ``_send_mamba_state_slice`` builds them (``state_descriptors``),
+            so the dry run's host work is in the timing."""
+            s, r = req.mooncake_session_id, rank_of[req.mooncake_session_id]
+            lists = state_descriptors(g, r, state_src, self.regs[r].dst_state_data_ptrs[0], slice_fn)
+            return kds.batch_transfer_sync_around(_moved, self.mooncake, s, *lists)
 
         self.manager.maybe_send_extra = maybe_send_extra
         self.rooms = itertools.count(1000)
