@@ -366,14 +366,17 @@ def _list_key(what: _Descriptors) -> Tuple:
 
 
 def prepare_states(manager, chunk) -> None:
-    """On a room's last chunk (``chunk``) with a state to send: its state sends are known from
-    its start, so the digest thread digests them then, while the chunk's KV moves. The thread
-    runs sglang's own state send (``maybe_send_extra``) for each of the room's decode ranks
-    dry (:func:`captured_transfer`: its descriptors kept, nothing moved) and digests the
-    descriptors in one engine call; when the worker's real state send hands over the same
-    lists, at the chunk's end, their sums are known and the status does not wait for an
-    engine call. A list the real send does not repeat is digested as it comes (nothing is
-    added for a state the worker does not send)."""
+    """On a room's last chunk (``chunk``) with a state to send: the state send to its last
+    decode rank is the chunk's last transfer, so nothing after it hides its digest, but it is
+    known from the chunk's start. The digest thread runs sglang's own state send
+    (``maybe_send_extra``) to that rank dry then (:func:`captured_transfer`: its descriptors
+    kept, nothing moved) and digests the descriptors while the chunk's KV moves; when the
+    worker's real state send hands over the same lists, their sums are known and the status
+    does not wait for an engine call. A list the real send does not repeat is digested as it
+    comes (nothing is added for a state the worker does not send). Only the last rank's:
+    running the others' dry too costs the thread more (sglang builds each rank's descriptors
+    again, holding the GIL the worker needs) than the long transfers after them hide
+    (``benchmark/gpu/results``)."""
     digest = digest_of(manager)
     states = getattr(chunk, "state_indices", None)
     pending = getattr(_scope, "pending", None)
@@ -382,9 +385,9 @@ def prepare_states(manager, chunk) -> None:
     table = getattr(manager, "transfer_infos", None)
     infos = (table.get(chunk.room) if table is not None else None) or {}
     reqs = [r for r in infos.values() if not getattr(r, "is_dummy", False)]
-    if reqs:
-        digest.thread.submit(_prepare_states, pending, manager, int(chunk.room), states, reqs,
-                             transfer_chunk.written())  # fmt: skip
+    if reqs:  # the worker sends to them in this order: the last one's state is the tail
+        digest.thread.submit(_prepare_states, pending, manager, int(chunk.room), states,
+                             reqs[-1:], transfer_chunk.written())  # fmt: skip
 
 
 def _prepare_states(pending: _Pending, manager, room: int, states, reqs, written) -> None:
