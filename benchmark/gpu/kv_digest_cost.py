@@ -1370,7 +1370,14 @@ TRIED_SCHEDULE = (
     "16.6%, the middle chunk +296 us = 2.9% and a 4-chunk request +2819 us = 7.0%; the first run of "
     "this schedule ([`kv_digest_cost_f155aac.json`](kv_digest_cost_f155aac.json), the same shipped "
     "code as this run) gave the last chunk 15.8% against 18.2% for 012a25a's in the same run, the "
-    "middle chunk 4.4% and the request 7.7%: the spread between runs."
+    "middle chunk 4.4% and the request 7.7%: the spread between runs. Tried after this run: the "
+    "digest thread running sglang's state send dry for every decode rank at the last chunk's start "
+    "(commit 722cc67, [`kv_digest_cost_prepare_every_rank_722cc67.json`]"
+    "(kv_digest_cost_prepare_every_rank_722cc67.json)): the status's wait fell from 620 to 189 us, "
+    "but building 8 ranks' state descriptors again on the thread held the GIL the worker needed "
+    "(its transfers 600 us later): the last chunk 15.2% against 12.1% without it, same run. The "
+    "shipped code (9a515c6) runs only the last rank's dry; no H200 was left to measure it "
+    "(`benchmark/kv_digest/host_work_last_state.md` measures it on a CPU)."
 )
 
 
