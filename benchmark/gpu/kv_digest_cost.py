@@ -576,7 +576,7 @@ class SendPath:
         return n
 
 
-def no_prepare(manager, chunk):
+def no_prepare(manager, chunk, reqs):
     """``kv_digest_send.prepare_states`` off (modes ``_no_prepare``, ``_at_last_rank_only``: the
     code before it, where a last chunk's state is digested at its send)."""
 

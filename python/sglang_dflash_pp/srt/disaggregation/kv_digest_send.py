@@ -365,7 +365,7 @@ def _list_key(what: _Descriptors) -> Tuple:
     return (tuple(what.src), tuple(what.dst), tuple(what.length))
 
 
-def prepare_states(manager, chunk) -> None:
+def prepare_states(manager, chunk, reqs) -> None:
     """On a room's last chunk (``chunk``) with a state to send: the state send to its last
     decode rank is the chunk's last transfer, so nothing after it hides its digest, but it is
     known from the chunk's start. The digest thread runs sglang's own state send
@@ -380,40 +380,28 @@ def prepare_states(manager, chunk) -> None:
     digest = digest_of(manager)
     states = getattr(chunk, "state_indices", None)
     pending = getattr(_scope, "pending", None)
-    if digest is None or not states or pending is None or not pending.last:
+    if digest is None or not states or pending is None or not pending.last or not reqs:
         return
-    table = getattr(manager, "transfer_infos", None)
-    infos = (table.get(chunk.room) if table is not None else None) or {}
-    reqs = [r for r in infos.values() if not getattr(r, "is_dummy", False)]
-    if reqs:  # the worker sends to them in this order: the last one's state is the tail
-        digest.thread.submit(_prepare_states, pending, manager, int(chunk.room), states,
-                             reqs[-1:], transfer_chunk.written())  # fmt: skip
+    # ``reqs`` (:func:`_room_requests`) in the worker's order: the last one's state is the tail
+    digest.thread.submit(_prepare_states, pending, manager, int(chunk.room), states, reqs[-1],
+                         transfer_chunk.written())  # fmt: skip
 
 
-def _prepare_states(pending: _Pending, manager, room: int, states, reqs, written) -> None:
-    if pending.inline:  # the synchronous design digests its chunk where it sends it
+def _prepare_states(pending: _Pending, manager, room: int, states, req, written) -> None:
+    session = req.mooncake_session_id
+    reg = (getattr(manager, "decode_kv_args_table", None) or {}).get(session)
+    if pending.inline or reg is None:  # the synchronous design digests where it sends
         return
-    found: Dict[Tuple, Tuple] = {}  # the lists' tuples -> (room, session, registration, lists)
     captured = _scope.capture = []
     try:
-        for req in reqs:
-            session = req.mooncake_session_id
-            reg = (getattr(manager, "decode_kv_args_table", None) or {}).get(session)
-            if reg is None:
-                continue
-            try:
-                manager.maybe_send_extra(req, states, None, reg)
-            except Exception as e:  # the real send raises it again, where sglang handles it
-                logger.debug("KV digest: room %s's state send could not be prepared: %r", room, e)
-            for what in captured:
-                found.setdefault(_list_key(what), (room, session, reg, what))
-            captured.clear()
+        manager.maybe_send_extra(req, states, None, reg)
+    except Exception as e:  # the real send raises it again, where sglang handles it
+        logger.debug("KV digest: room %s's state send could not be prepared: %r", room, e)
     finally:
         _scope.capture = None
-    keys = list(found)
-    parts = _signed_parts(digest_of(manager).resolver, [found[k] for k in keys])
+    parts = _signed_parts(digest_of(manager).resolver, [(room, session, reg, w) for w in captured])
     if _known_sums(pending, manager, [p for p in parts if p[3] is not None and p[3].count], written):
-        pending.prepared.update({k: (p[3], p[4]) for k, p in zip(keys, parts)
+        pending.prepared.update({_list_key(w): (p[3], p[4]) for w, p in zip(captured, parts)
                                  if p[3] is not None and p[4] in pending.known})  # fmt: skip
 
 
@@ -678,17 +666,23 @@ def begin_chunk(manager, chunk) -> None:
     digest = digest_of(manager)
     if digest is None or chunk is None:
         return
-    table = getattr(manager, "transfer_infos", None)
-    infos = (table.get(chunk.room) if table is not None else None) or {}
-    ranks = sum(1 for r in infos.values() if not getattr(r, "is_dummy", False))
-    _scope.pending = _Pending(last=bool(getattr(chunk, "is_last_chunk", False)), ranks=ranks)
+    reqs = _room_requests(manager, chunk.room)
+    _scope.pending = _Pending(last=bool(getattr(chunk, "is_last_chunk", False)), ranks=len(reqs))
     statuses = getattr(manager, "request_status", None)
     status = statuses.get(chunk.room) if statuses is not None else None
     if statuses is not None and (status is None or _failed(status)):
         # after the sums its earlier chunks' jobs still add
         digest.thread.submit(digest.forget_room, chunk.room)
         return
-    prepare_states(manager, chunk)
+    prepare_states(manager, chunk, reqs)
+
+
+def _room_requests(manager, room) -> list:
+    """The room's non-dummy decode requests in sglang's ``transfer_infos``, in the order the
+    transfer worker sends to them (none when the room has no entry there)."""
+    table = getattr(manager, "transfer_infos", None)
+    infos = (table.get(room) if table is not None else None) or {}
+    return [r for r in infos.values() if not getattr(r, "is_dummy", False)]
 
 
 def _failed(status) -> bool:
