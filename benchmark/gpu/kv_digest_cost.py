@@ -64,7 +64,10 @@ synchronous design; for a last chunk the previous shipped design; the same funct
 ``_no_eager``: a last chunk on the thread, all of it at the status (the eager threshold set past
 any transfer); ``_at_last_rank_only``: 012a25a's schedule (``at_last_rank_only``, restated here:
 one eager call, at the last decode rank's first long transfer), against the shipped one (calls at
-half the ranks, at the last rank's first long transfer and at its later ones), same run.
+half the ranks, at the last rank's first long transfer and at its later ones), same run;
+``_no_prepare``: e7c7ad6's code (the last rank's state digested at its send, not run dry from
+the chunk's start), for a last chunk and a whole request; ``_switch_interval``: a what-if, the
+shipped last chunk with ``sys.setswitchinterval(0.0005)`` (5 ms by default) around it.
 
 Ratio: digest time / (chunk bytes / 50 GB/s), chunk bytes = the bytes of the chunk's descriptors
 to the 8 decode ranks (what Mooncake moves for them; the draft's equal its digest blocks').
@@ -122,6 +125,9 @@ DECODE_STATE_SLOTS = 8  # the host model of a decode rank's state pool (the deco
 DST_STATE_SLOT = 5  # the request's state slot on the decode
 LINK_BPS = 50e9
 GOAL = 0.05
+
+
+SWITCH_INTERVAL_WHAT_IF_S = 0.0005
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
@@ -787,9 +793,13 @@ def run(args):
     modes = {"": dict(inline=False), "_all_inline": dict(inline=True),
              "_no_eager": dict(inline=False, eager_min_bytes=1 << 62),
              "_no_prepare": dict(inline=False, prepare=False),
-             "_at_last_rank_only": dict(inline=False, digest_during=at_last_rank_only, prepare=False)}  # fmt: skip
+             "_at_last_rank_only": dict(inline=False, digest_during=at_last_rank_only, prepare=False),
+             # a what-if, not shipped: the interpreter hands the GIL to a waiting thread after
+             # 0.5 ms instead of 5 (does the worker wait out whole switch intervals?)
+             "_switch_interval": dict(inline=False, switch_interval=SWITCH_INTERVAL_WHAT_IF_S)}  # fmt: skip
     mode_chunks = {"": ("middle", "last"), "_all_inline": ("middle", "last"), "_no_eager": ("last",),
-                   "_no_prepare": ("last",), "_at_last_rank_only": ("last",)}  # fmt: skip
+                   "_no_prepare": ("last",), "_at_last_rank_only": ("last",),
+                   "_switch_interval": ("last",)}  # fmt: skip
     shipped_prepare = kds.prepare_states
     thread_use.update({f"{w}{m}": dict(lag=[], busy=[]) for m in modes for w in mode_chunks[m]})
 
@@ -802,10 +812,13 @@ def run(args):
             kds._Pending.digest_during = modes[mode].get("digest_during", shipped_rule)
             if not modes[mode].get("prepare", True):
                 kds.prepare_states = no_prepare
+            switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(modes[mode].get("switch_interval", switch_interval))
             try:
                 return sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on,
                                 inline=modes[mode]["inline"])  # fmt: skip
             finally:
+                sys.setswitchinterval(switch_interval)
                 kds.EAGER_DIGEST_MIN_BYTES = shipped_eager
                 kds._Pending.digest_during = shipped_rule
                 kds.prepare_states = shipped_prepare
@@ -823,13 +836,18 @@ def run(args):
     # A whole request over the link: REQUEST_CHUNKS - 1 middle chunks then the last, one room,
     # back to back (a middle chunk's digest still running on the thread while the next is sent,
     # as in serving); digest on (shipped), every chunk inline, and off.
-    def request(on, inline=False):
+    def request(on, inline=False, prepare=True):
         def fn(e):
             room["now"] = next(sp.rooms)
             room["busy0"] = sp.manager._dflash_kv_digest.thread.busy_s
-            for i in range(REQUEST_CHUNKS):
-                last = i == REQUEST_CHUNKS - 1
-                sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on, inline=inline)
+            if not prepare:
+                kds.prepare_states = no_prepare
+            try:
+                for i in range(REQUEST_CHUNKS):
+                    last = i == REQUEST_CHUNKS - 1
+                    sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on, inline=inline)
+            finally:
+                kds.prepare_states = shipped_prepare
         return fn
 
     def request_after():
@@ -841,6 +859,8 @@ def run(args):
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on": (request(True), sp.stream, request_after),
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_all_inline": (
             request(True, inline=True), sp.stream, request_after),
+        f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_no_prepare": (
+            request(True, prepare=False), sp.stream, request_after),
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off": (request(False), sp.stream, None),
         **{f"over_link_{w}_chunk_digest_on{m}": (over_link(w == "last", True, m), sp.stream,
                                                  drained(w == "last", m))
@@ -864,7 +884,7 @@ def run(args):
     direct = dig._direct
     link_request = (REQUEST_CHUNKS - 1) * link_mid + link_last
     off = results[f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off"]["wall_s"]
-    for mode in ("", "_all_inline"):
+    for mode in ("", "_all_inline", "_no_prepare"):
         on = results[f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on{mode}"]["wall_s"]
         results[f"over_link_request_{REQUEST_CHUNKS}_chunks_exposed{mode}"] = dict(
             chunks=REQUEST_CHUNKS, exposed_s=on["median"] - off["median"],
@@ -1364,20 +1384,21 @@ TRIED_SCHEDULE = (
     "between jobs when none is open (commit 6bd2cc4, reverted: its run, "
     "[`kv_digest_cost_thread_windows_6bd2cc4.json`](kv_digest_cost_thread_windows_6bd2cc4.json), gave "
     "the last chunk +1480 us = 14.4% against 31.0% inline in the same run, the ratio this run gives "
-    "without it). The schedule before this run's (012a25a: one call, at the last decode rank's first "
-    "long transfer) is the `_at_last_rank_only` row above. Its own run, on the same machine "
-    "([`kv_digest_cost_012a25a.json`](kv_digest_cost_012a25a.json)), gave the last chunk +1705 us = "
-    "16.6%, the middle chunk +296 us = 2.9% and a 4-chunk request +2819 us = 7.0%; the first run of "
-    "this schedule ([`kv_digest_cost_f155aac.json`](kv_digest_cost_f155aac.json), the same shipped "
-    "code as this run) gave the last chunk 15.8% against 18.2% for 012a25a's in the same run, the "
-    "middle chunk 4.4% and the request 7.7%: the spread between runs. Tried after this run: the "
-    "digest thread running sglang's state send dry for every decode rank at the last chunk's start "
-    "(commit 722cc67, [`kv_digest_cost_prepare_every_rank_722cc67.json`]"
+    "without it). 012a25a's schedule (one call, at the last decode rank's first long transfer) is "
+    "the `_at_last_rank_only` row above; e7c7ad6's code (the last rank's state digested at its "
+    "send, not from the chunk's start) the `_no_prepare` row. Earlier runs, each of the code "
+    "shipped then: 012a25a ([`kv_digest_cost_012a25a.json`](kv_digest_cost_012a25a.json)) the last "
+    "chunk +1705 us = 16.6%, the middle chunk 2.9%, a 4-chunk request 7.0%; f155aac "
+    "([`kv_digest_cost_f155aac.json`](kv_digest_cost_f155aac.json)) 15.8% against 18.2% for "
+    "012a25a's schedule in the same run, middle 4.4%, request 7.7%; e7c7ad6 "
+    "([`kv_digest_cost_e7c7ad6.json`](kv_digest_cost_e7c7ad6.json)) 15.0%, middle 4.1%, request "
+    "6.8%, with every chunk inline at 23.3% (last) and 18.7% (request) in that run, against 29.9% and "
+    "24.8% in this one: this run's machine was slower, so compare rows of one run. Also tried: the "
+    "digest thread running sglang's state send dry for every decode rank, not only the last (commit "
+    "722cc67, [`kv_digest_cost_prepare_every_rank_722cc67.json`]"
     "(kv_digest_cost_prepare_every_rank_722cc67.json)): the status's wait fell from 620 to 189 us, "
     "but building 8 ranks' state descriptors again on the thread held the GIL the worker needed "
-    "(its transfers 600 us later): the last chunk 15.2% against 12.1% without it, same run. The "
-    "shipped code (9a515c6) runs only the last rank's dry; no H200 was left to measure it "
-    "(`benchmark/kv_digest/host_work_last_state.md` measures it on a CPU)."
+    "(its transfers 600 us later): the last chunk 15.2% against 12.1% without it, same run."
 )
 
 
@@ -1480,6 +1501,7 @@ def section(r, name="kv_digest_cost.json"):
             ("last", "_no_eager"): "on the digest thread, all at the status (no digest during its transfers)",
             ("last", "_at_last_rank_only"): "on the digest thread, one call at the last decode rank's first long transfer, the rest at the status (012a25a's schedule, the state digested at its send)",
             ("last", "_no_prepare"): "shipped, but the state digested at its send, not from the chunk's start (e7c7ad6's code)",
+            ("last", "_switch_interval"): "shipped, the interpreter's thread switch interval 0.5 ms instead of 5 ms during the chunk (a what-if, not shipped)",
         }.get((which, mode), mode)
         out.append(
             f"| {which} | {how} | {us(off['wall_s'])} "
@@ -1487,6 +1509,9 @@ def section(r, name="kv_digest_cost.json"):
             f"{us(on['wall_s'])} | **{x['exposed_s'] * 1e6:.0f} = {100 * x['over_link_time']:.1f}%** | "
             f"{us(x['thread_busy_s'])} ({100 * x['thread_busy_over_link_time']:.0f}%) | "
             f"{us(x['thread_lag_after_chunk_s'])} |")  # fmt: skip
+    REQUEST_MODE_NAMES = {"_all_inline": "every chunk inline (the synchronous design)",
+                          "_no_prepare": "shipped but the last chunk's state digested at its send "
+                                         "(e7c7ad6's code)"}  # fmt: skip
     rq = [k for k in res if k.startswith("over_link_request_") and "_chunks_exposed" in k]
     if rq:
         n = res[rq[0]]["chunks"]
@@ -1495,7 +1520,7 @@ def section(r, name="kv_digest_cost.json"):
                 "so a middle chunk's digest still runs on the thread while the next chunk is sent): "
                 f"digest off {us(off['wall_s'])}; "
                 + "; ".join(
-                    f"{'every chunk inline (the synchronous design)' if k.endswith('_all_inline') else 'shipped'} "
+                    f"{REQUEST_MODE_NAMES.get(k.rsplit('_chunks_exposed', 1)[1], 'shipped')} "
                     f"{us(res[k.replace('_exposed', '_digest_on')]['wall_s'])}, "
                     f"**+{res[k]['exposed_s'] * 1e6:.0f} us = {100 * res[k]['over_link_time']:.1f}%** of the "
                     f"request's link time ({res[k]['emulated_link_s'] * 1e3:.2f} ms)" for k in rq) + "."]
