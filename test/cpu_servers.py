@@ -64,10 +64,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_vllm_stub(root: str) -> str:
-    """A stub ``vllm`` package: RoPE binds ``vllm._custom_ops.rotary_embedding`` at construction
-    unless sglang's CPU engine is on (which needs a CPU sgl-kernel build that does not exist on
-    PyPI); the stub is never called on CPU (cpu-harness.md items 3 and 5)."""
+def write_server_stubs(root: str) -> str:
+    """Stub packages for the test servers' ``PYTHONPATH`` (``root``, returned): ``vllm`` (RoPE
+    binds ``vllm._custom_ops.rotary_embedding`` at construction unless sglang's CPU engine is on,
+    which needs a CPU sgl-kernel build that does not exist on PyPI; the stub is never called on
+    CPU: cpu-harness.md items 3 and 5) and ``flashinfer`` (:func:`write_flashinfer_stub`)."""
     pkg = os.path.join(root, "vllm")
     os.makedirs(pkg, exist_ok=True)
     with open(os.path.join(pkg, "__init__.py"), "w") as f:
@@ -77,6 +78,28 @@ def write_vllm_stub(root: str) -> str:
             "def rotary_embedding(*args, **kwargs):\n"
             "    raise RuntimeError('vllm stub: rotary_embedding is never called on CPU')\n"
         )
+    return write_flashinfer_stub(root)
+
+
+FLASHINFER_STUB_MESSAGE = "flashinfer is CUDA-only: a CPU test stub (test/cpu_servers.py)"
+
+
+def write_flashinfer_stub(root: str) -> str:
+    """A ``flashinfer`` package whose import raises ImportError, for ``root`` first on the path.
+
+    flashinfer is a CUDA-only library, and every sglang process on this box imported the
+    installed one (with ``cutlass`` under it): about 3 of a server process's 15-18 s of startup
+    CPU, and the e2e deployments start about a hundred such processes. Stock 0.5.23 imports it
+    only under ``try: ... except ImportError`` or behind ``is_flashinfer_available()``, which is
+    False on a CPU (``sglang.srt.utils.common``: ``find_spec("flashinfer")`` and ``is_cuda()``),
+    so with the stub each import takes the fallback it names, and nothing that ran on a CPU
+    called flashinfer before. ``test_server_stubs`` checks it on stock's code. Test-only: the
+    shipped plugin never sees the stub (``test/conftest.py`` puts it on the test session's path
+    and the servers')."""
+    pkg = os.path.join(root, "flashinfer")
+    os.makedirs(pkg, exist_ok=True)
+    with open(os.path.join(pkg, "__init__.py"), "w") as f:
+        f.write(f"raise ImportError({FLASHINFER_STUB_MESSAGE!r})\n")
     return root
 
 

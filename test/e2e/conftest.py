@@ -42,4 +42,4 @@ def e2e_root(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def stub_root(e2e_root):
-    return cpu_servers.write_vllm_stub(os.path.join(e2e_root, "stub"))
+    return cpu_servers.write_server_stubs(os.path.join(e2e_root, "stub"))

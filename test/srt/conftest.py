@@ -100,7 +100,7 @@ class CpuSglangServer:
 
         self.root = str(root)
         self.model_dir = tm.write_tiny_llama_with_weights(os.path.join(self.root, "llama"))
-        self.stub_dir = cpu_servers.write_vllm_stub(os.path.join(self.root, "stub"))
+        self.stub_dir = cpu_servers.write_server_stubs(os.path.join(self.root, "stub"))
         self.server = None
         self.starts = 0
 
