@@ -89,9 +89,10 @@ def write_flashinfer_stub(root: str) -> str:
 
     flashinfer is a CUDA-only library, and every sglang process on this box imported the
     installed one (with ``cutlass`` under it): about 3 of a server process's 15-18 s of startup
-    CPU, and the e2e deployments start about a hundred such processes. Stock 0.5.23 imports it
-    only under ``try: ... except ImportError`` or behind ``is_flashinfer_available()``, which is
-    False on a CPU (``sglang.srt.utils.common``: ``find_spec("flashinfer")`` and ``is_cuda()``),
+    CPU, and the tests start about 75 server processes (and more CLI ones). Stock 0.5.23
+    imports it only under ``try: ... except ImportError`` or behind ``is_flashinfer_available()``,
+    which is False on a CPU (``sglang.srt.utils.common``: ``find_spec("flashinfer")`` and
+    ``is_cuda()``),
     so with the stub each import takes the fallback it names, and nothing that ran on a CPU
     called flashinfer before. ``test_server_stubs`` checks it on stock's code. Test-only: the
     shipped plugin never sees the stub (``test/conftest.py`` puts it on the test session's path
