@@ -104,6 +104,15 @@ def write_flashinfer_stub(root: str) -> str:
     return root
 
 
+# A server's /health runs a one-token generate (stock's SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION)
+# and answers once the scheduler has replied, after at least a second: a Kimi-K3 server under the
+# Triton interpreter, beside other servers still starting, takes several. A 2 s probe gave up on
+# nearly every answer (K3 servers "fired up" after ~150 s were seen ready after ~330 s, each
+# abandoned probe leaving a health request behind). Past stock's own bound (HEALTH_CHECK_TIMEOUT,
+# 20 s) the server has answered 200 or 503.
+READY_PROBE_TIMEOUT_S = 30
+
+
 class ServerProcess:
     """One process tree (launcher and its children), its log, and a readiness probe."""
 
@@ -139,7 +148,7 @@ class ServerProcess:
         import requests
 
         try:
-            return requests.get(self.ready_url, timeout=2).status_code == 200
+            return requests.get(self.ready_url, timeout=READY_PROBE_TIMEOUT_S).status_code == 200
         except requests.RequestException:
             return False
 
