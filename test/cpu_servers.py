@@ -92,11 +92,12 @@ def write_flashinfer_stub(root: str) -> str:
     CPU, and the tests start about 75 server processes (and more CLI ones). Stock 0.5.23
     imports it only under ``try: ... except ImportError`` or behind ``is_flashinfer_available()``,
     which is False on a CPU (``sglang.srt.utils.common``: ``find_spec("flashinfer")`` and
-    ``is_cuda()``),
-    so with the stub each import takes the fallback it names, and nothing that ran on a CPU
-    called flashinfer before. ``test_server_stubs`` checks it on stock's code. Test-only: the
-    shipped plugin never sees the stub (``test/conftest.py`` puts it on the test session's path
-    and the servers')."""
+    ``is_cuda()``), so with the stub each import takes the fallback it names, and nothing that
+    ran on a CPU called flashinfer before. ``test_server_stubs`` checks it on stock's code.
+    Test-only: the shipped plugin never sees it. ``test/conftest.py`` puts it first on the test
+    session's path, which the servers inherit; :func:`write_server_stubs` writes it again into
+    the servers' own stub root for the launches that set ``PYTHONPATH`` from scratch (the
+    patched-tree servers)."""
     pkg = os.path.join(root, "flashinfer")
     os.makedirs(pkg, exist_ok=True)
     with open(os.path.join(pkg, "__init__.py"), "w") as f:
