@@ -428,7 +428,6 @@ class SendPath:
         from sglang_dflash_pp.srt.disaggregation import kv_digest_send as kds
         from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv as mdk
         from sglang_dflash_pp.srt.disaggregation.kv_digest import Sender
-        from sglang_dflash_pp.srt.disaggregation.draft_kv_send import SEND_ATTR
         from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
 
         self.g, self.kds, self.mdk = g, kds, mdk
@@ -459,14 +458,11 @@ class SendPath:
                                                  dst_state_data_ptrs=[decode_state_ptrs(g, r)])  # fmt: skip
             self.manager.decode_kv_args_table[s] = reg
             self.sends[r] = mdk.DraftSend.of(self.manager, draft_verdict(g, r), reg.dst_kv_ptrs)
-            setattr(reg, SEND_ATTR, self.sends[r])  # where the draft send keeps it (draft_send_of)
             self.mla[r] = mla_descriptors(g, mla_bases, reg.dst_kv_ptrs, *pages[:2])
             self.state[r] = state_descriptors(g, r, state_src, reg.dst_state_data_ptrs[0], slice_fn)
         # sglang's transfer_infos: every room goes to the 8 decode ranks (begin_chunk counts them)
-        # (and its decode pages: sglang's TransferInfo.dst_kv_indices, all of them the chunk's)
         self.manager.transfer_infos = _EveryRoom(
-            {s: SimpleNamespace(is_dummy=False, mooncake_session_id=s, dst_kv_indices=self.dst_pages,
-                                dst_device_kv_indices=None) for s in self.sessions.values()})
+            {s: SimpleNamespace(is_dummy=False, mooncake_session_id=s) for s in self.sessions.values()})
         rank_of = {s: r for r, s in self.sessions.items()}
 
         def maybe_send_extra(req, state_indices, executor, registration=None):
@@ -504,8 +500,7 @@ class SendPath:
         move = _moved if link_bps is None else _moving(link_bps)
         # the transfer worker hook's begin_chunk / end_chunk (the chunk's _Pending)
         mdk.begin_chunk(m, SimpleNamespace(room=room, wait_event=wait_event, is_last_chunk=last,
-                                           state_indices=[[SRC_STATE_SLOT]] if last else None,
-                                           prefill_kv_indices=self.src_pages, index_slice=slice(None)))
+                                           state_indices=[[SRC_STATE_SLOT]] if last else None))
         if inline and digest:  # the synchronous variant: this chunk digested by the worker
             kds._pending().inline = True
         try:
@@ -590,13 +585,6 @@ class SendPath:
 def no_prepare(manager, chunk, reqs):
     """``kv_digest_send.prepare_states`` off (modes ``_no_prepare``, ``_at_last_rank_only``: the
     code before it, where a last chunk's state is digested at its send)."""
-
-
-def no_tail_draft_part(manager, chunk, req):
-    """``kv_digest_send.tail_draft_part`` off (mode ``_state_prepare_only``: 397a98c's code, where
-    a last chunk's prepare job runs only the state send dry and the last rank's draft part is
-    digested as it comes)."""
-    return None
 
 
 def at_last_rank_only(self, session, handed_before):
@@ -805,15 +793,14 @@ def run(args):
     modes = {"": dict(inline=False), "_all_inline": dict(inline=True),
              "_no_eager": dict(inline=False, eager_min_bytes=1 << 62),
              "_no_prepare": dict(inline=False, prepare=False),
-             "_state_prepare_only": dict(inline=False, draft_prepare=False),
              "_at_last_rank_only": dict(inline=False, digest_during=at_last_rank_only, prepare=False),
              # a what-if, not shipped: the interpreter hands the GIL to a waiting thread after
              # 0.5 ms instead of 5 (does the worker wait out whole switch intervals?)
              "_switch_interval": dict(inline=False, switch_interval=SWITCH_INTERVAL_WHAT_IF_S)}  # fmt: skip
     mode_chunks = {"": ("middle", "last"), "_all_inline": ("middle", "last"), "_no_eager": ("last",),
-                   "_no_prepare": ("last",), "_state_prepare_only": ("last",), "_at_last_rank_only": ("last",),
+                   "_no_prepare": ("last",), "_at_last_rank_only": ("last",),
                    "_switch_interval": ("last",)}  # fmt: skip
-    shipped_prepare, shipped_tail_draft = kds.prepare_states, kds.tail_draft_part
+    shipped_prepare = kds.prepare_states
     thread_use.update({f"{w}{m}": dict(lag=[], busy=[]) for m in modes for w in mode_chunks[m]})
 
     def over_link(last, on, mode=""):
@@ -825,8 +812,6 @@ def run(args):
             kds._Pending.digest_during = modes[mode].get("digest_during", shipped_rule)
             if not modes[mode].get("prepare", True):
                 kds.prepare_states = no_prepare
-            if not modes[mode].get("draft_prepare", True):
-                kds.tail_draft_part = no_tail_draft_part
             switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(modes[mode].get("switch_interval", switch_interval))
             try:
@@ -836,7 +821,7 @@ def run(args):
                 sys.setswitchinterval(switch_interval)
                 kds.EAGER_DIGEST_MIN_BYTES = shipped_eager
                 kds._Pending.digest_during = shipped_rule
-                kds.prepare_states, kds.tail_draft_part = shipped_prepare, shipped_tail_draft
+                kds.prepare_states = shipped_prepare
         return fn
 
     def drained(last, mode=""):
@@ -851,20 +836,18 @@ def run(args):
     # A whole request over the link: REQUEST_CHUNKS - 1 middle chunks then the last, one room,
     # back to back (a middle chunk's digest still running on the thread while the next is sent,
     # as in serving); digest on (shipped), every chunk inline, and off.
-    def request(on, inline=False, prepare=True, draft_prepare=True):
+    def request(on, inline=False, prepare=True):
         def fn(e):
             room["now"] = next(sp.rooms)
             room["busy0"] = sp.manager._dflash_kv_digest.thread.busy_s
             if not prepare:
                 kds.prepare_states = no_prepare
-            if not draft_prepare:
-                kds.tail_draft_part = no_tail_draft_part
             try:
                 for i in range(REQUEST_CHUNKS):
                     last = i == REQUEST_CHUNKS - 1
                     sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on, inline=inline)
             finally:
-                kds.prepare_states, kds.tail_draft_part = shipped_prepare, shipped_tail_draft
+                kds.prepare_states = shipped_prepare
         return fn
 
     def request_after():
@@ -878,8 +861,6 @@ def run(args):
             request(True, inline=True), sp.stream, request_after),
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_no_prepare": (
             request(True, prepare=False), sp.stream, request_after),
-        f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_state_prepare_only": (
-            request(True, draft_prepare=False), sp.stream, request_after),
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off": (request(False), sp.stream, None),
         **{f"over_link_{w}_chunk_digest_on{m}": (over_link(w == "last", True, m), sp.stream,
                                                  drained(w == "last", m))
@@ -903,7 +884,7 @@ def run(args):
     direct = dig._direct
     link_request = (REQUEST_CHUNKS - 1) * link_mid + link_last
     off = results[f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off"]["wall_s"]
-    for mode in ("", "_all_inline", "_no_prepare", "_state_prepare_only"):
+    for mode in ("", "_all_inline", "_no_prepare"):
         on = results[f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on{mode}"]["wall_s"]
         results[f"over_link_request_{REQUEST_CHUNKS}_chunks_exposed{mode}"] = dict(
             chunks=REQUEST_CHUNKS, exposed_s=on["median"] - off["median"],
@@ -1014,8 +995,6 @@ def run(args):
             kds._Pending.digest_during = at_last_rank_only
         if mode in ("at_last_rank_only", "no_prepare"):
             kds.prepare_states = no_prepare
-        if mode == "state_prepare_only":
-            kds.tail_draft_part = no_tail_draft_part
         samples = []
         try:
             for i in range(args.warmup + args.reps):
@@ -1042,19 +1021,19 @@ def run(args):
                         engine_calls=len(engine_calls), engine_s=sum(engine_calls),
                         # the digest job the status waited for (the chunk's last one), and its parts
                         **({f"tail_job_{k}": v for k, v in job_parts[-1].items()}
-                           if mode in ("shipped", "no_prepare", "state_prepare_only") and job_parts else {}),
+                           if mode in ("shipped", "no_prepare") and job_parts else {}),
                         **{f"thread_{k}": v - jobs_before.get(k, 0.0) for k, v in jobs.items()}))
         finally:
             TRANSFERS = None
             thread._timed, engine.digest, kds._resolved_lists = real_timed, real_digest, real_resolved
             kds._Pending.digest_during = shipped_rule
-            kds.prepare_states, kds.tail_draft_part = shipped_prepare, shipped_tail_draft
+            kds.prepare_states = shipped_prepare
         keys = sorted({k for s_ in samples for k in s_})
         return {k: summary([s_.get(k, 0.0) for s_ in samples]) for k in keys}
 
     results["over_link_last_chunk_breakdown"] = {
         m: over_link_breakdown(m)
-        for m in ("shipped", "state_prepare_only", "no_prepare", "at_last_rank_only", "all_inline", "off")}
+        for m in ("shipped", "no_prepare", "at_last_rank_only", "all_inline", "off")}
 
     # Where a direct chunk call's time goes: DeviceDigest's own marks (host clock and an event on
     # its stream at each step), relative to the call's start.
@@ -1526,7 +1505,6 @@ def section(r, name="kv_digest_cost.json"):
             ("last", "_no_eager"): "on the digest thread, all at the status (no digest during its transfers)",
             ("last", "_at_last_rank_only"): "on the digest thread, one call at the last decode rank's first long transfer, the rest at the status (012a25a's schedule, the state digested at its send)",
             ("last", "_no_prepare"): "shipped, but the state digested at its send, not from the chunk's start (e7c7ad6's code)",
-            ("last", "_state_prepare_only"): "shipped, but only the state prepared at the chunk's start, the last rank's draft digested as it comes (397a98c's code)",
             ("last", "_switch_interval"): "shipped, the interpreter's thread switch interval 0.5 ms instead of 5 ms during the chunk (a what-if, not shipped)",
         }.get((which, mode), mode)
         out.append(
@@ -1537,9 +1515,7 @@ def section(r, name="kv_digest_cost.json"):
             f"{us(x['thread_lag_after_chunk_s'])} |")  # fmt: skip
     REQUEST_MODE_NAMES = {"_all_inline": "every chunk inline (the synchronous design)",
                           "_no_prepare": "shipped but the last chunk's state digested at its send "
-                                         "(e7c7ad6's code)",
-                          "_state_prepare_only": "shipped but only the last chunk's state prepared "
-                                                 "at its start (397a98c's code)"}  # fmt: skip
+                                         "(e7c7ad6's code)"}  # fmt: skip
     rq = [k for k in res if k.startswith("over_link_request_") and "_chunks_exposed" in k]
     if rq:
         n = res[rq[0]]["chunks"]
@@ -1563,8 +1539,7 @@ def section(r, name="kv_digest_cost.json"):
         # a job kind the measured code did not have (since 0.5.23's lists are resolved in the
         # digest job itself, there are no resolve or queue jobs): "-"
         job = lambda m, k: f"{med(m, k):.0f}" if k in bd[m] else "-"  # noqa: E731
-        names = {"shipped": "shipped", "state_prepare_only": "only the state prepared (397a98c)",
-                 "no_prepare": "the state digested at its send (e7c7ad6)",
+        names = {"shipped": "shipped", "no_prepare": "the state digested at its send (e7c7ad6)",
                  "at_last_rank_only": "012a25a's schedule (one call at the last rank)",
                  "all_inline": "inline at the status (earlier design)", "off": "digest off"}  # fmt: skip
         out += ["", "Where a last chunk's time goes over the link (a separate pass with timing "
@@ -1575,7 +1550,7 @@ def section(r, name="kv_digest_cost.json"):
                 "| last chunk | wall | wait at the status | worker outside transfers | transfers late | "
                 "thread: resolve / queue / digest jobs | engine calls (time) |",
                 "|---|---|---|---|---|---|---|"]
-        for m in ("shipped", "state_prepare_only", "no_prepare", "at_last_rank_only", "all_inline", "off"):
+        for m in ("shipped", "no_prepare", "at_last_rank_only", "all_inline", "off"):
             if m not in bd:
                 continue
             out.append(
@@ -1584,7 +1559,7 @@ def section(r, name="kv_digest_cost.json"):
                 f"{job(m, 'thread__resolve_job')} / {job(m, 'thread__queue_job')} / "
                 f"{job(m, 'thread__digest_pending')} | {bd[m]['engine_calls']['median']:.0f} "
                 f"({med(m, 'engine_s'):.0f}) |")  # fmt: skip
-        tails = [m for m in ("shipped", "state_prepare_only", "no_prepare") if "tail_job_job" in bd.get(m, {})]
+        tails = [m for m in ("shipped", "no_prepare") if "tail_job_job" in bd.get(m, {})]
         if tails:
             out += ["", "The digest job the status waits for (the chunk's last; medians in µs): " + "; ".join(
                 f"{names[m]}: {med(m, 'tail_job_job'):.0f} in all, resolving sglang's descriptor lists "

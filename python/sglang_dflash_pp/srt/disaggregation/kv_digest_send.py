@@ -59,7 +59,6 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from sglang_dflash_pp.hooks import PluginHook, registered_hooks, require_applied
-import sglang_dflash_pp.srt.disaggregation.draft_kv_send as draft_kv_send
 import sglang_dflash_pp.srt.disaggregation.transfer_chunk as transfer_chunk
 from sglang_dflash_pp.srt.disaggregation.draft_kv_digest import (
     DigestEntries,
@@ -290,13 +289,13 @@ def _signed_parts(resolver: ListResolver, items, prepared=None) -> List[Tuple]:
     signature)``, signatures equal for parts whose sums are equal (the same blocks over
     registrations of the same sizes: the keys are a function of the tables' sizes,
     ``kv_digest.buffer_key``). Blocks None: a part that failed (its error as the signature), or
-    a function that built nothing (signature None). ``prepared``: sends already resolved and
-    digested at the chunk's start (:func:`prepare_states`), by :func:`_prepared_key`."""
+    a function that built nothing (signature None). ``prepared``: state lists already resolved
+    (:func:`prepare_states`), by their tuples."""
     prints: Dict[int, bytes] = {}  # one fingerprint per distinct Blocks object
     out: Dict[int, Tuple] = {}
     lists, tables = [], []
     for i, (room, session, reg, what) in enumerate(items):
-        hit = _prepared_hit(prepared, what, reg) if prepared else None
+        hit = prepared.get(_list_key(what)) if prepared and _preparable(what) else None
         if hit is not None:
             out[i] = (room, session, reg) + hit
         elif isinstance(what, _Descriptors):
@@ -359,108 +358,50 @@ def _table_of(registration, kind: BufferKind) -> BufferTable:
 
 
 def _preparable(what) -> bool:
-    return isinstance(what, DraftPart) or (isinstance(what, _Descriptors)
-                                           and what.kind is BufferKind.STATE)  # fmt: skip
+    return isinstance(what, _Descriptors) and what.kind is BufferKind.STATE
 
 
-def _prepared_hit(prepared: Dict[Tuple, Tuple], what, registration) -> Optional[Tuple]:
-    """(blocks, signature) of ``what`` where it was prepared, else None (also where its key
-    cannot be made: the part is then built as it comes, and fails its own room if it must)."""
-    if not _preparable(what):
-        return None
-    try:
-        return prepared.get(_prepared_key(what, registration))
-    except Exception:
-        return None
-
-
-def _prepared_key(what, registration) -> Tuple:
-    """What a send prepared at the chunk's start (:func:`prepare_states`) is found by when the
-    worker hands it over: a state send's lists as tuples (their destinations are the decode
-    rank's own addresses), a draft part's signature with its registration's table sizes (the
-    part names no decode rank; another with the same heads, pages and sizes has its sums)."""
-    if isinstance(what, DraftPart):
-        return what.signature + _tables_and_keys(registration)[2]
+def _list_key(what: _Descriptors) -> Tuple:
     return (tuple(what.src), tuple(what.dst), tuple(what.length))
 
 
 def prepare_states(manager, chunk, reqs) -> None:
-    """On a room's last chunk (``chunk``): the sends to its last decode rank are the chunk's
-    last transfers, so nothing after them hides their digest, but two of them are known from
-    the chunk's start. Its state send (sent last): the digest thread runs sglang's own state send
-    (``maybe_send_extra``) to that rank dry (:func:`captured_transfer`: its descriptors kept,
-    nothing moved). Its draft entries: the draft send's part (:func:`tail_draft_part`), from the
-    chunk's pages and the decode's, as ``send_kvcache_around`` will derive them. Both are
-    digested in one engine call while the chunk's KV moves; when the worker's real sends hand
-    over the same lists or part, their sums are known and the status does not wait for an
-    engine call (the last rank's target MLA KV is the earlier ranks', also known). What the
-    real sends do not repeat is digested as it comes (nothing is added for a send the worker
-    does not make). Only the last rank's: running the others' state sends dry too costs the
-    thread more (sglang builds each rank's descriptors again, holding the GIL the worker
-    needs) than the long transfers after them hide (``benchmark/gpu/results``)."""
+    """On a room's last chunk (``chunk``) with a state to send: the state send to its last
+    decode rank is the chunk's last transfer, so nothing after it hides its digest, but it is
+    known from the chunk's start. The digest thread runs sglang's own state send
+    (``maybe_send_extra``) to that rank dry then (:func:`captured_transfer`: its descriptors
+    kept, nothing moved) and digests the descriptors while the chunk's KV moves; when the
+    worker's real state send hands over the same lists, their sums are known and the status
+    does not wait for an engine call. A list the real send does not repeat is digested as it
+    comes (nothing is added for a state the worker does not send). Only the last rank's:
+    running the others' dry too costs the thread more (sglang builds each rank's descriptors
+    again, holding the GIL the worker needs) than the long transfers after them hide
+    (``benchmark/gpu/results``)."""
     digest = digest_of(manager)
+    states = getattr(chunk, "state_indices", None)
     pending = getattr(_scope, "pending", None)
-    if digest is None or pending is None or not pending.last or not reqs:
+    if digest is None or not states or pending is None or not pending.last or not reqs:
         return
-    # ``reqs`` (:func:`_room_requests`) in the worker's order: the last one's sends are the tail
-    states = getattr(chunk, "state_indices", None) or None
-    draft = tail_draft_part(manager, chunk, reqs[-1])
-    if states or draft is not None:
-        digest.thread.submit(_prepare_states, pending, manager, int(chunk.room), states,
-                             reqs[-1], draft, transfer_chunk.written())  # fmt: skip
+    # ``reqs`` (:func:`_room_requests`) in the worker's order: the last one's state is the tail
+    digest.thread.submit(_prepare_states, pending, manager, int(chunk.room), states, reqs[-1],
+                         transfer_chunk.written())  # fmt: skip
 
 
-def tail_draft_part(manager, chunk, req) -> Optional["DraftPart"]:
-    """The :class:`DraftPart` the draft send to ``req``'s decode rank will hand over for
-    ``chunk`` (sglang's pages of the chunk: ``prefill_kv_indices``, and the decode's
-    ``dst_kv_indices[index_slice]``, the device pages under HiSparse, as sglang's transfer
-    worker slices them), or None where that rank gets no head-aware draft send or the pages do
-    not pair up (the real send then hands over what it sends, digested as it comes). Runs on
-    the worker at the chunk's start: nothing here raises into sglang."""
-    try:
-        reg = (getattr(manager, "decode_kv_args_table", None) or {}).get(req.mooncake_session_id)
-        send = getattr(reg, draft_kv_send.SEND_ATTR, None)
-        entries = getattr(send, "digest", None)
-        dst = getattr(req, "dst_kv_indices", None)
-        if entries is None or dst is None or getattr(chunk, "prefill_kv_indices", None) is None:
-            return None
-        where = chunk.index_slice
-        device = getattr(req, "dst_device_kv_indices", None)
-        dst = draft_kv_send.draft_dst_pages(dst[where], None if device is None else device[where])
-        src_pages = np.asarray(chunk.prefill_kv_indices, dtype=np.int64).reshape(-1)
-        dst_pages = np.asarray(dst, dtype=np.int64).reshape(-1)
-        if src_pages.size != dst_pages.size or not src_pages.size:
-            return None
-        return DraftPart(entries, src_pages, dst_pages, {}, send)
-    except Exception as e:  # the real send meets it again, where its failure rules apply
-        logger.debug("KV digest: the last draft send of room %s could not be prepared: %r",
-                     getattr(chunk, "room", "?"), e)  # fmt: skip
-        return None
-
-
-def _prepare_states(pending: _Pending, manager, room: int, states, req, draft, written) -> None:
+def _prepare_states(pending: _Pending, manager, room: int, states, req, written) -> None:
     session = req.mooncake_session_id
     reg = (getattr(manager, "decode_kv_args_table", None) or {}).get(session)
     if pending.inline or reg is None:  # the synchronous design digests where it sends
         return
-    captured = []
-    if states:
-        captured = _scope.capture = []
-        try:
-            manager.maybe_send_extra(req, states, None, reg)
-        except Exception as e:  # the real send raises it again, where sglang handles it
-            logger.debug("KV digest: room %s's state send could not be prepared: %r", room, e)
-        finally:
-            _scope.capture = None
-    if draft is not None:
-        try:
-            draft.send.check_pages(draft.src_pages)  # the digest reads the pool at these pages
-            captured.append(draft)
-        except Exception as e:  # the real send fails its room on it
-            logger.debug("KV digest: room %s's draft pages could not be prepared: %r", room, e)
+    captured = _scope.capture = []
+    try:
+        manager.maybe_send_extra(req, states, None, reg)
+    except Exception as e:  # the real send raises it again, where sglang handles it
+        logger.debug("KV digest: room %s's state send could not be prepared: %r", room, e)
+    finally:
+        _scope.capture = None
     parts = _signed_parts(digest_of(manager).resolver, [(room, session, reg, w) for w in captured])
     if _known_sums(pending, manager, [p for p in parts if p[3] is not None and p[3].count], written):
-        pending.prepared.update({_prepared_key(w, reg): (p[3], p[4]) for w, p in zip(captured, parts)
+        pending.prepared.update({_list_key(w): (p[3], p[4]) for w, p in zip(captured, parts)
                                  if p[3] is not None and p[4] in pending.known})  # fmt: skip
 
 
@@ -823,14 +764,12 @@ def add_draft_blocks(manager, session: str, send, src_pages, dst_pages, entries=
 class DraftPart:
     """The blocks of one draft send, built where the chunk is digested, once per chunk for the
     decode ranks that share ``entries`` (interned by :func:`draft_digest_entries_of`); its
-    signature names them without hashing them (``memo``: the sending worker's chunk memo;
-    ``send``: the draft send it was made for, where it was made ahead of it)."""
+    signature names them without hashing them (``memo``: the sending worker's chunk memo)."""
 
-    __slots__ = ("entries", "src_pages", "dst_pages", "memo", "signature", "send")
+    __slots__ = ("entries", "src_pages", "dst_pages", "memo", "signature")
 
-    def __init__(self, entries: DigestEntries, src_pages, dst_pages, memo, send=None):
+    def __init__(self, entries: DigestEntries, src_pages, dst_pages, memo):
         self.entries, self.src_pages, self.dst_pages, self.memo = entries, src_pages, dst_pages, memo
-        self.send = send
         self.signature = ("draft", id(entries), src_pages.tobytes(), dst_pages.tobytes())
 
     def blocks(self) -> Blocks:
