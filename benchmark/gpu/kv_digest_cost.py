@@ -1402,7 +1402,14 @@ TRIED_SCHEDULE = (
     "722cc67, [`kv_digest_cost_prepare_every_rank_722cc67.json`]"
     "(kv_digest_cost_prepare_every_rank_722cc67.json)): the status's wait fell from 620 to 189 us, "
     "but building 8 ranks' state descriptors again on the thread held the GIL the worker needed "
-    "(its transfers 600 us later): the last chunk 15.2% against 12.1% without it, same run."
+    "(its transfers 600 us later): the last chunk 15.2% against 12.1% without it, same run. And "
+    "the last decode rank's draft part digested from the chunk's start too, in the state "
+    "prepare's engine call (commit 052f2b6, reverted by 9c75af2: its run, "
+    "[`kv_digest_cost_tail_draft_052f2b6.json`](kv_digest_cost_tail_draft_052f2b6.json), row "
+    "`_state_prepare_only` = the shipped code): the last chunk 9.9% against 9.2% without it, a "
+    "4-chunk request 6.3% against 6.2%, the status's wait 162 against 160 us, 3 engine calls "
+    "either way: that part was not what the status waited for (its tail job was 35 us either "
+    "way)."
 )
 
 
