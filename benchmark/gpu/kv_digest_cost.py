@@ -44,6 +44,10 @@ chunk's ``wait_event``; every variant once per repetition, in rotating order):
   (split at the ``flush`` call), gpu = CUDA events on the digest engine's stream around it;
 * ``shipped_add_blocks_flush_{middle,last}_chunk``: only ``add_blocks`` of the same blocks, built
   beforehand, and ``flush``;
+* ``handoff_alone_{middle,last}_chunk[_digest_off]``: the send path with the digest thread given
+  none of its jobs (``DigestThread.submit`` stubbed), timed to the ``flush`` call: the hooks'
+  own host cost on the worker, with nothing competing for the GIL, against the same hooks with
+  the digest off;
 * ``direct_*`` (the earlier benchmark's variants, kept for comparison): ``DeviceDigest.digest``
   called directly on blocks this script builds by its own formula (the middle chunk's MLA and
   draft blocks): one call for the 8 decode ranks, the same through Triton's JIT launch, 8 calls,
@@ -777,6 +781,22 @@ def run(args):
     def pop():
         sp.pop(room["now"])
 
+    def handoff_alone(last, on=True):
+        """The worker's side alone: the shipped hooks hand the chunk's sends over, but the digest
+        thread gets none of its jobs (``DigestThread.submit`` stubbed for the call,
+        the jobs dropped: no sums), so nothing competes for the GIL before ``flush``; the time to the ``flush``
+        call is the hand-off's own host cost (``on=False``: the same hooks with the digest off)."""
+        thread = sp.manager._dflash_kv_digest.thread
+
+        def fn(e):
+            room["now"] = next(sp.rooms)
+            thread.submit = lambda *a: None
+            try:
+                return sp.chunk(room["now"], e, last, digest=on)
+            finally:
+                del thread.submit
+        return fn
+
     # Over an emulated link (each transfer takes its bytes' time at LINK_BPS, the GIL released):
     # the chunk's wall time with the digest on against the same sends with it off, in one loop.
     # After each sample (untimed) the digest thread's queue is drained: its lag behind the
@@ -870,6 +890,10 @@ def run(args):
         "shipped_send_path_middle_chunk": (shipped(False), sp.stream, pop),
         "shipped_send_path_last_chunk": (shipped(True), sp.stream, pop),
         "shipped_add_blocks_flush_middle_chunk": (prebuilt(blocks_mid), sp.stream, pop),
+        "handoff_alone_middle_chunk": (handoff_alone(False), sp.stream, None),
+        "handoff_alone_last_chunk": (handoff_alone(True), sp.stream, None),
+        "handoff_alone_middle_chunk_digest_off": (handoff_alone(False, on=False), sp.stream, None),
+        "handoff_alone_last_chunk_digest_off": (handoff_alone(True, on=False), sp.stream, None),
         "shipped_add_blocks_flush_last_chunk": (prebuilt(blocks_last), sp.stream, pop),
         "direct_call_formula_blocks": (chunk_call, dig.stream, None),
         "direct_call_formula_blocks_jit_launch": (jit(chunk_call), dig.stream, None),
@@ -1601,6 +1625,21 @@ def section(r, name="kv_digest_cost.json"):
         f"engine calls per chunk (a separate pass) {us(bm['engine_digest_s'])} / "
         f"{us(bl['engine_digest_s'])} in total, {bm['engine_calls_per_chunk']['median']:.0f} / "
         f"{bl['engine_calls_per_chunk']['median']:.0f} calls (median).",
+    ]
+    if "handoff_alone_last_chunk" in res:
+        ha = lambda k: res[k]["wall_before_flush_s"]  # noqa: E731
+        out += [
+            "",
+            "The hand-off alone (the digest thread given none of its jobs, so nothing competes for "
+            "the GIL; wall to the `flush` call, µs): middle chunk "
+            f"{us(ha('handoff_alone_middle_chunk'))} against {us(ha('handoff_alone_middle_chunk_digest_off'))} "
+            f"with the digest off, last chunk {us(ha('handoff_alone_last_chunk'))} against "
+            f"{us(ha('handoff_alone_last_chunk_digest_off'))}: the hooks' own cost is "
+            f"{(ha('handoff_alone_middle_chunk')['median'] - ha('handoff_alone_middle_chunk_digest_off')['median']) * 1e6:.0f}"
+            f" / {(ha('handoff_alone_last_chunk')['median'] - ha('handoff_alone_last_chunk_digest_off')['median']) * 1e6:.0f}"
+            " us of the chunk's exposed time over the link; the rest is the worker waiting for the "
+            "GIL the digest thread holds, and the status's wait."]
+    out += [
         "",
         f"Kernel: {k['GBps_median']:.0f} GB/s of digested bytes (device copy: "
         f"{res['d2d_copy_half_the_bytes']['GBps_read_plus_write']:.0f} GB/s read + write), tile "
