@@ -783,9 +783,9 @@ def run(args):
 
     def handoff_alone(last, on=True):
         """The worker's side alone: the shipped hooks hand the chunk's sends over, but the digest
-        thread gets none of its jobs (``DigestThread.submit`` stubbed for the call,
-        the jobs dropped: no sums), so nothing competes for the GIL before ``flush``; the time to the ``flush``
-        call is the hand-off's own host cost (``on=False``: the same hooks with the digest off)."""
+        thread gets none of its jobs (``DigestThread.submit`` stubbed for the call, the jobs
+        dropped: no sums), so nothing competes for the GIL before ``flush``; the time to the
+        ``flush`` call is the hooks' own host cost (``on=False``: the same hooks, digest off)."""
         thread = sp.manager._dflash_kv_digest.thread
 
         def fn(e):
@@ -890,11 +890,11 @@ def run(args):
         "shipped_send_path_middle_chunk": (shipped(False), sp.stream, pop),
         "shipped_send_path_last_chunk": (shipped(True), sp.stream, pop),
         "shipped_add_blocks_flush_middle_chunk": (prebuilt(blocks_mid), sp.stream, pop),
+        "shipped_add_blocks_flush_last_chunk": (prebuilt(blocks_last), sp.stream, pop),
         "handoff_alone_middle_chunk": (handoff_alone(False), sp.stream, None),
         "handoff_alone_last_chunk": (handoff_alone(True), sp.stream, None),
         "handoff_alone_middle_chunk_digest_off": (handoff_alone(False, on=False), sp.stream, None),
         "handoff_alone_last_chunk_digest_off": (handoff_alone(True, on=False), sp.stream, None),
-        "shipped_add_blocks_flush_last_chunk": (prebuilt(blocks_last), sp.stream, pop),
         "direct_call_formula_blocks": (chunk_call, dig.stream, None),
         "direct_call_formula_blocks_jit_launch": (jit(chunk_call), dig.stream, None),
         "direct_calls_per_rank_formula_blocks": (
