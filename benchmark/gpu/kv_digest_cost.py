@@ -1629,18 +1629,19 @@ def section(r, name="kv_digest_cost.json"):
         f"{bl['engine_calls_per_chunk']['median']:.0f} calls (median).",
     ]
     if "handoff_alone_last_chunk" in res:
-        ha = lambda k: res[k]["wall_before_flush_s"]  # noqa: E731
+        ha = {w: (res[f"handoff_alone_{w}_chunk"]["wall_before_flush_s"],
+                  res[f"handoff_alone_{w}_chunk_digest_off"]["wall_before_flush_s"])
+              for w in ("middle", "last")}  # fmt: skip
+        own = {w: (on["median"] - off["median"]) * 1e6 for w, (on, off) in ha.items()}
         out += [
             "",
             "The hand-off alone (the digest thread given none of its jobs, so nothing competes for "
             "the GIL; wall to the `flush` call, µs): middle chunk "
-            f"{us(ha('handoff_alone_middle_chunk'))} against {us(ha('handoff_alone_middle_chunk_digest_off'))} "
-            f"with the digest off, last chunk {us(ha('handoff_alone_last_chunk'))} against "
-            f"{us(ha('handoff_alone_last_chunk_digest_off'))}: the hooks' own cost is "
-            f"{(ha('handoff_alone_middle_chunk')['median'] - ha('handoff_alone_middle_chunk_digest_off')['median']) * 1e6:.0f}"
-            f" / {(ha('handoff_alone_last_chunk')['median'] - ha('handoff_alone_last_chunk_digest_off')['median']) * 1e6:.0f}"
-            " us of the chunk's exposed time over the link; the rest is the worker waiting for the "
-            "GIL the digest thread holds, and the status's wait."]
+            f"{us(ha['middle'][0])} against {us(ha['middle'][1])} with the digest off, last chunk "
+            f"{us(ha['last'][0])} against {us(ha['last'][1])}: the hooks' own cost is "
+            f"{own['middle']:.0f} / {own['last']:.0f} us of the chunk's exposed time over the link; "
+            "the rest is the worker waiting for the GIL the digest thread holds, and the status's "
+            "wait."]
     out += [
         "",
         f"Kernel: {k['GBps_median']:.0f} GB/s of digested bytes (device copy: "
