@@ -14,6 +14,7 @@ tail, so a startup hang fails the test with the place each process waits.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -134,6 +135,7 @@ class ServerProcess:
         return int(self.base_url.rsplit(":", 1)[1])
 
     def start(self) -> "ServerProcess":
+        started_servers.append(self)
         self.started_at = time.monotonic()
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
@@ -282,15 +284,37 @@ def launch_pd_router(name: str, root: str, prefills: Sequence[tuple], decodes: S
 
 # Mooncake 0.3.13.post1's TCP transport on loopback occasionally stalls every session into one
 # decode: each prefill rank logs "ClientSession: no transfer progress within 30s", target-only PP
-# stages (no draft bytes) included, and the decode answers 500 with TRANSPORT_STALL (seen once in
-# about ten runs of the Llama module; kvcache-ai/Mooncake#4209 is the same family). That is below
-# what these tests check, so such a request is sent again once the prefill has re-probed the
-# session, at most TRANSPORT_STALL_RETRIES times; every retry is recorded and printed in the
-# session summary. A failure that repeats still fails the test.
+# stages (no draft bytes) included, and the decode answers 500 with TRANSPORT_STALL (seen about
+# once in ten runs of the Llama module; kvcache-ai/Mooncake#4209 is the same family: the failed
+# transfers' sessions come back after about 90 s). The prefill blacklists the session and probes it
+# again every SGLANG_FAILED_SESSION_PROBE_INTERVAL_S (stock: 30 s, doubled after a failed probe), so
+# until then every request into that decode fails the same way. That is below what these tests
+# check, so such a request is sent again every TRANSPORT_STALL_WAIT_S until TRANSPORT_STALL_WINDOW_S
+# after its first stall (covering the probes at about 30, 90 and 210 s); every retry is recorded,
+# with the prefill-side reasons the servers' logs give, and printed in the session summary. A stall
+# that outlasts the window fails the test, the reasons in its message.
 TRANSPORT_STALL = "Failed to get kvcache from prefill instance"
-TRANSPORT_STALL_RETRIES = 2
-TRANSPORT_STALL_WAIT_S = 20.0
+TRANSPORT_STALL_WAIT_S = 30.0
+TRANSPORT_STALL_WINDOW_S = 240.0
+# What a prefill (or its Mooncake engine) logs when it fails a transfer.
+TRANSFER_FAILURE = re.compile(r"no transfer progress|Failed to send|is not alive|Session \S+ failed\."
+                              r"|recovered via probe|rejection|Transfer thread failed")
 transport_stall_retries: List[Dict] = []
+started_servers: List["ServerProcess"] = []
+
+
+def transfer_failure_lines(per_server: int = 4) -> List[str]:
+    """The last lines of every running server's log that name a failed transfer (the decode's
+    500 carries only stock's default reason: Mooncake's status message has no reason frame)."""
+    lines = []
+    for server in (s for s in started_servers if s.alive()):
+        try:
+            with open(server.log_path, errors="replace") as f:
+                hits = [l.rstrip() for l in f if TRANSFER_FAILURE.search(l)]
+        except OSError:
+            continue
+        lines += [f"{server.name}: {l[-300:]}" for l in hits[-per_server:]]
+    return lines
 
 
 def generate(base_url: str, text: str, max_new_tokens: int, *, rid: Optional[str] = None,
@@ -301,13 +325,23 @@ def generate(base_url: str, text: str, max_new_tokens: int, *, rid: Optional[str
     body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
     if rid is not None:
         body["rid"] = rid
-    for attempt in range(TRANSPORT_STALL_RETRIES + 1):
+    first_stall = None
+    while True:
         r = requests.post(base_url + "/generate", json=body, timeout=timeout_s)
         if r.status_code == 200:
             return r.json()
-        if TRANSPORT_STALL not in r.text or attempt == TRANSPORT_STALL_RETRIES:
+        if TRANSPORT_STALL not in r.text:
             break
-        transport_stall_retries.append({"url": base_url, "rid": rid, "error": r.text[:300]})
+        now = time.monotonic()
+        first_stall = now if first_stall is None else first_stall
+        reasons = transfer_failure_lines()
+        if now - first_stall + TRANSPORT_STALL_WAIT_S > TRANSPORT_STALL_WINDOW_S:
+            raise RuntimeError(
+                f"POST {base_url}/generate -> {r.status_code}: {r.text[:2000]}\n"
+                f"still failing {now - first_stall:.0f} s after its first transport stall; the "
+                "servers' logs name these transfer failures:\n" + "\n".join(reasons))
+        transport_stall_retries.append({"url": base_url, "rid": rid, "error": r.text[:300],
+                                        "after_s": round(now - first_stall), "reasons": reasons})
         time.sleep(TRANSPORT_STALL_WAIT_S)
     raise RuntimeError(f"POST {base_url}/generate -> {r.status_code}: {r.text[:2000]}")
 

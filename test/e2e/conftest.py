@@ -25,7 +25,10 @@ def pytest_terminal_summary(terminalreporter):
     if cpu_servers.transport_stall_retries:
         terminalreporter.section("requests sent again after a Mooncake TCP transport stall")
         for row in cpu_servers.transport_stall_retries:
-            terminalreporter.write_line(f"{row['url']}  rid={row['rid']}  {row['error']}")
+            terminalreporter.write_line(f"{row['url']}  rid={row['rid']}  "
+                                        f"{row['after_s']} s after its first stall  {row['error']}")
+            for line in row["reasons"]:
+                terminalreporter.write_line(f"    {line}")
     if not deployments.startup_times:
         return
     terminalreporter.section("end-to-end server startup (wall time to ready)")
