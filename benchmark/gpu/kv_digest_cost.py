@@ -95,6 +95,7 @@ no kernel compile during 100 digests (direct and shipped) after ``warm()``; sgla
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import itertools
 import json
@@ -399,6 +400,20 @@ def _over_link(nbytes, link_bps):
     t0 = time.perf_counter()
     time.sleep(nbytes / link_bps)
     TRANSFERS.append((nbytes / link_bps, t0, time.perf_counter()))  # end: the GIL taken back
+
+
+def _link_parts(moved, t0, t_flush, t1) -> dict:
+    """One over-link chunk's wall split: the worker's wait at the status (``flush``), its time
+    outside the transfers before it (the hooks, and the GIL when the digest thread holds it),
+    and how much later than requested its transfers returned (the GIL taken back)."""
+    return dict(flush_wait=t1 - t_flush,
+                worker_outside_transfers=(t_flush - t0) - sum(b - a for _, a, b in moved),
+                transfers_late=sum((b - a) - want for want, a, b in moved))  # fmt: skip
+
+
+def _parts_summary(samples, reps) -> dict:
+    samples = samples[-reps:]
+    return {k: summary([s[k] for s in samples]) for k in (samples[0] if samples else {})}
 
 
 def _moving(link_bps):
@@ -822,6 +837,9 @@ def run(args):
                    "_switch_interval": ("last",)}  # fmt: skip
     shipped_prepare = kds.prepare_states
     thread_use.update({f"{w}{m}": dict(lag=[], busy=[]) for m in modes for w in mode_chunks[m]})
+    # Each over-link sample's wall split as the breakdown pass splits it (``_link_parts``), in
+    # this rotating loop: does the same code spend the same time in the same places here?
+    link_parts = collections.defaultdict(list)
 
     def over_link(last, on, mode=""):
         def fn(e):
@@ -834,10 +852,17 @@ def run(args):
                 kds.prepare_states = no_prepare
             switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(modes[mode].get("switch_interval", switch_interval))
+            global TRANSFERS
+            TRANSFERS = []
             try:
-                return sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on,
-                                inline=modes[mode]["inline"])  # fmt: skip
+                t0 = time.perf_counter()
+                t_flush = sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on,
+                                   inline=modes[mode]["inline"])  # fmt: skip
+                link_parts[(("last" if last else "middle") + mode, on)].append(
+                    _link_parts(TRANSFERS, t0, t_flush, time.perf_counter()))
+                return t_flush
             finally:
+                TRANSFERS = None
                 sys.setswitchinterval(switch_interval)
                 kds.EAGER_DIGEST_MIN_BYTES = shipped_eager
                 kds._Pending.digest_during = shipped_rule
@@ -933,6 +958,8 @@ def run(args):
             wall_off_over_link_time=off["median"] / link,
             thread_busy_s=summary(busy), thread_busy_over_link_time=statistics.median(busy) / link,
             thread_lag_after_chunk_s=summary(lag),
+            wall_parts_on=_parts_summary(link_parts[(which + mode, True)], args.reps),
+            wall_parts_off=_parts_summary(link_parts[(which, False)], args.reps),
         )  # fmt: skip
 
     # The digest thread's engine calls per chunk (DigestEngine.digest: it digests whenever it runs
