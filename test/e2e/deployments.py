@@ -10,9 +10,10 @@ from typing import Dict, List
 import cpu_servers
 
 # The Llama deployment starts 11 server processes and 4 routers at once on CI's 2 cores: its TP2 x
-# PP2 prefill was ready after 253 s on a clean CI run, and past 300 s when the machine was also
-# busy with other work; the bound only decides when a startup that hangs is called failed.
-STARTUP_TIMEOUT_S = float(os.environ.get("SGLANG_DFLASH_PP_TEST_STARTUP_TIMEOUT_S", "480"))
+# PP2 prefill was ready after 207 s on the dev box and 253 s on a clean CI run, past 300 s when
+# the machine was also busy with other work, and one CI run took 2.2x the dev box's time over
+# the whole suite; the bound only decides when a startup that hangs is called failed.
+STARTUP_TIMEOUT_S = float(os.environ.get("SGLANG_DFLASH_PP_TEST_STARTUP_TIMEOUT_S", "720"))
 startup_times: List[Dict] = []
 
 
