@@ -1444,7 +1444,9 @@ TRIED_SCHEDULE = (
     "012a25a's schedule in the same run, middle 4.4%, request 7.7%; e7c7ad6 "
     "([`kv_digest_cost_e7c7ad6.json`](kv_digest_cost_e7c7ad6.json)) 15.0%, middle 4.1%, request "
     "6.8%, with every chunk inline at 23.3% (last) and 18.7% (request) in that run, against 20.1% and "
-    "15.1% in this one. The same shipped code as this run, in earlier runs: 082158a "
+    "15.1% in 58998f6's. The same shipped code as this run, in earlier runs: 58998f6 "
+    "([`kv_digest_cost_58998f6.json`](kv_digest_cost_58998f6.json)) the last chunk 6.8% against "
+    "10.6% for e7c7ad6's code, middle 3.5%, request 4.9% (inline 20.1% and 15.1%); 082158a "
     "([`kv_digest_cost_082158a.json`](kv_digest_cost_082158a.json)) the last chunk 10.7% against "
     "15.8% for e7c7ad6's code, middle 4.3%, request 8.8% (inline 25.5% and 21.1%); 92c4cc4 "
     "([`kv_digest_cost_92c4cc4.json`](kv_digest_cost_92c4cc4.json), without the request's and the "
@@ -1626,6 +1628,18 @@ def section(r, name="kv_digest_cost.json"):
                 f"{med(m, 'tail_job_resolve'):.0f}, engine calls {med(m, 'tail_job_engine'):.0f}"
                 for m in tails) + " (an engine call with no blocks, `direct_call_empty`: "
                 f"{res['direct_call_empty']['wall_s']['median'] * 1e6:.0f})."]
+    split = [(w, res[f"over_link_{w}_chunk_exposed"]) for w in ("middle", "last")
+             if "wall_parts_on" in res.get(f"over_link_{w}_chunk_exposed", {})]
+    if split:
+        part = lambda e, side, k: e[side][k]["median"] * 1e6  # noqa: E731
+        parts = (("worker_outside_transfers", "outside the transfers"),
+                 ("transfers_late", "transfers late"), ("flush_wait", "the wait at the status"))
+        out += ["", "The same split in the main loop itself (each over-link sample of the rotating "
+                "loop above; digest on / off, medians in µs, the difference in bold): " + "; ".join(
+                    f"{w} chunk (+{e['exposed_s'] * 1e6:.0f} exposed): " + ", ".join(
+                        f"{name} {part(e, 'wall_parts_on', k):.0f} / {part(e, 'wall_parts_off', k):.0f} "
+                        f"**{part(e, 'wall_parts_on', k) - part(e, 'wall_parts_off', k):+.0f}**"
+                        for k, name in parts) for w, e in split) + "."]
     prev = r.get("previous_run")
     if prev:
         pp = prev["provenance"]
