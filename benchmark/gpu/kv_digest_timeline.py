@@ -1,0 +1,185 @@
+"""When, inside a Kimi-K3 last chunk's sends, the worker waits for the GIL the digest thread holds:
+a timeline of the shipped send path over the emulated link (``kv_digest_cost``'s ``SendPath``:
+the same geometry, hooks, digest thread and Triton engine).
+
+``kv_digest_cost.json`` splits a last chunk's exposed time into the worker's time outside its
+transfers, its transfers returning late and its wait at the status, and finds most of it is the
+GIL. This script says which of the thread's work it collides with. Per sample (a last chunk,
+digest on, then the same sends with it off), with ``time.perf_counter``:
+
+* each transfer of the worker: its start, the time it asked for (bytes / 50 GB/s, a
+  ``time.sleep`` that releases the GIL, as Mooncake's transfer does) and when it returned, the
+  GIL taken back (``kv_digest_cost._over_link``'s record);
+* each job of the digest thread (``DigestThread._timed``: its kind, start, end) and each engine
+  call inside it (``DigestEngine.digest``);
+* the status's wait (``flush``).
+
+A transfer is *late* by (return - start - asked); it ended *in a job* when a digest job was
+running when its time was up. The worker's stretches outside transfers are split by whether a
+job ran during them. Summaries are medians over the samples; the first samples' timelines are
+kept whole.
+
+    PYTHONPATH=python:benchmark python3 benchmark/gpu/kv_digest_timeline.py --out benchmark/gpu/results/kv_digest_timeline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import kv_digest_cost as cost  # noqa: E402
+
+KEPT_TIMELINES = 5
+
+
+def _spans_at(spans, t):
+    return [s for s in spans if s[1] <= t < s[2]]
+
+
+def _overlap(spans, a, b):
+    return sum(max(0.0, min(b, e) - max(a, s)) for _, s, e in spans)
+
+
+def one_chunk(sp, room, event, on):
+    """One last chunk over the link: its transfers, the thread's jobs and engine calls, the
+    flush; times relative to the chunk's start."""
+    thread = sp.manager._dflash_kv_digest.thread
+    engine = sp.engine
+    jobs, calls = [], []
+    real_timed, real_digest = thread._timed, engine.digest
+
+    def timed(fn, *a):
+        t0 = time.perf_counter()
+        try:
+            real_timed(fn, *a)
+        finally:
+            jobs.append((getattr(fn, "__name__", "?"), t0, time.perf_counter()))
+
+    def digest(blocks, keys, wait_events=()):
+        t0 = time.perf_counter()
+        try:
+            return real_digest(blocks, keys, wait_events=wait_events)
+        finally:
+            calls.append(("engine", t0, time.perf_counter()))
+
+    thread._timed, engine.digest = timed, digest
+    cost.TRANSFERS = []
+    try:
+        t0 = time.perf_counter()
+        t_flush = sp.chunk(room, event, True, link_bps=cost.LINK_BPS, digest=on)
+        t1 = time.perf_counter()
+        moved = cost.TRANSFERS
+    finally:
+        cost.TRANSFERS = None
+    sp.drain()
+    thread._timed, engine.digest = real_timed, real_digest
+    if on:
+        sp.pop(room)
+    rel = lambda spans: [(n, a - t0, b - t0) for n, a, b in spans]  # noqa: E731
+    return dict(wall=t1 - t0, flush_at=t_flush - t0, transfers=[(w, a - t0, b - t0) for w, a, b in moved],
+                jobs=rel(jobs), engine_calls=rel(calls))  # fmt: skip
+
+
+def analyse(c):
+    """A chunk's timeline as the split the docstring describes (seconds)."""
+    jobs = [j for j in c["jobs"] if j[1] < c["wall"]]
+    late_in_job, late_idle, n_in_job = 0.0, 0.0, 0
+    by_kind = {}
+    outside_in_job, outside_idle, prev_end = 0.0, 0.0, 0.0
+    for want, a, b in c["transfers"]:
+        late = (b - a) - want
+        running = _spans_at(jobs, a + want)
+        if running:
+            late_in_job += late
+            n_in_job += 1
+            kind = running[0][0]
+            by_kind[kind] = by_kind.get(kind, 0.0) + late
+        else:
+            late_idle += late
+        gap_job = _overlap(jobs, prev_end, a)
+        outside_in_job += gap_job
+        outside_idle += (a - prev_end) - gap_job
+        prev_end = b
+    gap_job = _overlap(jobs, prev_end, c["flush_at"])
+    outside_in_job += gap_job
+    outside_idle += (c["flush_at"] - prev_end) - gap_job
+    return dict(wall=c["wall"], flush_wait=c["wall"] - c["flush_at"], transfers=len(c["transfers"]),
+                transfers_ending_in_a_job=n_in_job, late_in_a_job=late_in_job, late_otherwise=late_idle,
+                outside_while_a_job_ran=outside_in_job, outside_otherwise=outside_idle,
+                thread_jobs=len(jobs), thread_busy=sum(e - s for _, s, e in jobs),
+                engine_calls=len(c["engine_calls"]),
+                **{f"late_in_{k}": v for k, v in by_kind.items()})  # fmt: skip
+
+
+def main():
+    import torch
+
+    import provenance
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (host engine)")
+    args = ap.parse_args()
+    g = cost.geometry()
+    dev = torch.device(args.device)
+    pools = cost.make_pools(g, dev, cost.PREFILL_POOL_PAGES, torch)
+    pages = cost.chunk_pages(g)
+    slice_fn, _ = cost.slice_byte_blocks()
+    sp = cost.send_path_of(g, pools, pages, dev, slice_fn)
+    on_gpu = dev.type == "cuda"
+    forward = torch.cuda.Stream() if on_gpu else None
+    flush_buf = torch.empty(512 << 20, dtype=torch.uint8, device=dev) if on_gpu else None
+
+    def kv_written():
+        """The L2 flush stands for the forward's KV writes, as in ``kv_digest_cost``."""
+        if not on_gpu:
+            return None
+        with torch.cuda.stream(forward):
+            flush_buf.fill_(1)
+            e = torch.cuda.Event()
+            e.record(forward)
+        e.synchronize()
+        return e
+
+    rooms = iter(range(10_000, 10_000_000))
+    out = {True: [], False: []}
+    kept = []
+    for i in range(args.warmup + args.reps):
+        for on in (True, False) if i % 2 else (False, True):
+            c = one_chunk(sp, next(rooms), kv_written(), on)
+            if i >= args.warmup:
+                out[on].append(analyse(c))
+                if on and len(kept) < KEPT_TIMELINES:
+                    kept.append(c)
+    summary = {}
+    for on, rows in out.items():
+        keys = sorted({k for r in rows for k in r})
+        summary["digest_on" if on else "digest_off"] = {
+            k: provenance.summary([r.get(k, 0.0) for r in rows]) | {"samples": [r.get(k, 0.0) for r in rows]}
+            for k in keys}  # fmt: skip
+    result = dict(
+        provenance=provenance.record(
+            repetitions=args.reps, warmup=args.warmup, timed_sources=cost.TIMED,
+            timed="kv_digest_cost.SendPath.chunk (the shipped send path of a last chunk, 8 decode "
+                  "ranks, over a 50 GB/s link emulated by a GIL-releasing sleep), digest on and off "
+                  "alternating; DigestThread._timed and DigestEngine.digest wrapped to time-stamp "
+                  "the thread's jobs and engine calls"),
+        summary=summary, timelines=kept)  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    for name, s in summary.items():
+        print(name, {k: round(v["median"] * 1e6) if isinstance(v, dict) and k not in (
+            "transfers", "transfers_ending_in_a_job", "thread_jobs", "engine_calls") else v["median"]
+            for k, v in s.items()})
+
+
+if __name__ == "__main__":
+    main()
