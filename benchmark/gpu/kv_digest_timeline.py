@@ -117,6 +117,59 @@ def analyse(c):
                 **{f"late_in_{k}": v for k, v in by_kind.items()})  # fmt: skip
 
 
+ROWS = (("wall", "wall"), ("flush_wait", "the wait at the status"),
+        ("outside_otherwise", "outside the transfers, no digest job running"),
+        ("outside_while_a_job_ran", "outside the transfers while a digest job ran"),
+        ("late_otherwise", "transfers late, ending with no job running"),
+        ("late_in_a_job", "transfers late, ending while a job ran"),
+        ("thread_busy", "the digest thread's jobs"))  # fmt: skip
+
+
+def _overruns(c):
+    """Each job of a timeline against the transfer it started in: (job, start, length, the
+    transfer's remaining time when the job started, by how much the job outlasted it)."""
+    out = []
+    for name, a, b in (j for j in c["jobs"] if j[1] < c["wall"]):
+        inside = [(w, s, e) for w, s, e in c["transfers"] if s <= a < e]
+        left = (inside[0][1] + inside[0][0] - a) if inside else 0.0
+        out.append((name, a, b - a, left, (b - a) - left))
+    return out
+
+
+def section(r, origin, summ, name="kv_digest_timeline.json"):
+    """The results page's section (``report.py`` passes its provenance and summary renderers)."""
+    on, off = r["summary"]["digest_on"], r["summary"]["digest_off"]
+    out = ["## Where a Kimi-K3 last chunk's digest meets the worker: a timeline", "",
+           *origin(name, r["provenance"]), "", f"Timed: {r['provenance']['timed']}.", "",
+           "Per last chunk over the emulated link, microseconds, median (min-max) of "
+           f"{on['wall']['n']} samples each, alternating:", "",
+           "| | digest on | digest off | on - off (medians) |", "|---|---|---|---|"]
+    for k, label in ROWS:
+        a, b = on[k], off.get(k, {"median": 0.0, "min": 0.0, "max": 0.0})
+        out.append(f"| {label} | {summ(a, 1e6, '{:.0f}')} | {summ(b, 1e6, '{:.0f}')} | "
+                   f"{(a['median'] - b['median']) * 1e6:+.0f} |")
+    n, n_job = on["transfers"]["median"], on["transfers_ending_in_a_job"]["median"]
+    out += ["", f"Transfers per chunk: {n:.0f}, of which {n_job:.0f} (median) ended while a digest job "
+            f"ran; {on['thread_jobs']['median']:.0f} jobs, {on['engine_calls']['median']:.0f} engine "
+            "calls. A transfer that ended with no job running was as late as with the digest off ("
+            f"{on['late_otherwise']['median'] / max(n - n_job, 1) * 1e6:.0f} against "
+            f"{off['late_otherwise']['median'] / off['transfers']['median'] * 1e6:.0f} us each, medians "
+            "over the count: the emulating sleep's own overshoot).", ""]
+    if r["timelines"]:
+        c = r["timelines"][0]
+        out += ["The first sample's jobs (µs from the chunk's start; the transfer they started in had "
+                "this much of its time left; overrun = how much longer the job ran):", ""]
+        out += ["| job | start | length | its transfer's time left | overrun |", "|---|---|---|---|---|"]
+        for n, a, length, left, over in _overruns(c):
+            n = "set (the status's wait marker)" if n == "set" else n
+            out.append(f"| `{n}` | {a * 1e6:.0f} | {length * 1e6:.0f} | {left * 1e6:.0f} | "
+                       f"{over * 1e6:+.0f} |")
+        out += ["", f"Its transfers asked for {min(w for w, _, _ in c['transfers']) * 1e6:.0f}-"
+                f"{max(w for w, _, _ in c['transfers']) * 1e6:.0f} us each; the status's wait began at "
+                f"{c['flush_at'] * 1e6:.0f} and the chunk ended at {c['wall'] * 1e6:.0f}."]
+    return out
+
+
 def main():
     import torch
 

@@ -227,6 +227,9 @@ def kv_digest_cost(out):
     import kv_digest_cost as script  # the section is rendered next to the code that measured it
 
     out += script.section(load("kv_digest_cost.json"))
+    import kv_digest_timeline as timeline
+
+    out += [""] + timeline.section(load("kv_digest_timeline.json"), origin, summ)
 
 
 def main():
@@ -234,7 +237,8 @@ def main():
         "# H200 measurements",
         "",
         "Raw results with provenance and raw samples: `pack_send_path.json`, `send_path_fence.json`,",
-        "`pack_bandwidth.json`, `partial_projection.json`, `nccl_carry.json`, `kv_digest_cost.json`",
+        "`pack_bandwidth.json`, `partial_projection.json`, `nccl_carry.json`, `kv_digest_cost.json`,",
+        "`kv_digest_timeline.json`",
         "(scripts in `benchmark/gpu/`; this page is",
         "`python3 benchmark/gpu/report.py`).",
         "",
