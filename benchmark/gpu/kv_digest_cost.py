@@ -70,9 +70,7 @@ any transfer); ``_at_last_rank_only``: 012a25a's schedule (``at_last_rank_only``
 one eager call, at the last decode rank's first long transfer), against the shipped one (calls at
 half the ranks, at the last rank's first long transfer and at its later ones), same run;
 ``_no_prepare``: e7c7ad6's code (the last rank's state digested at its send, not run dry from
-the chunk's start), for a last chunk and a whole request; ``_at_half``: 5df4005's code (one
-engine call at half the ranks before the last, the prepared state digested in its own call at
-the chunk's start: ``at_half``, ``prepare_with_its_own_call``, restated), the same; ``_switch_interval``: a what-if, the
+the chunk's start), for a last chunk and a whole request; ``_switch_interval``: a what-if, the
 shipped last chunk with ``sys.setswitchinterval(0.0005)`` (5 ms by default) around it.
 
 Ratio: digest time / (chunk bytes / 50 GB/s), chunk bytes = the bytes of the chunk's descriptors
@@ -623,41 +621,6 @@ def at_last_rank_only(self, session, handed_before):
     return others >= 1
 
 
-def at_half(self, session, handed_before):
-    """5df4005's ``_Pending.digest_during``, restated for the same-run comparison (mode
-    ``_at_half``, with :func:`prepare_with_its_own_call`; not shipped): with the room's decode
-    ranks known, one engine call once half the ranks before the last were handed over, then the
-    last rank's as shipped."""
-    if not self.last or self.inline:
-        return False
-    if self.ranks == 1:
-        return session in handed_before
-    if self.ranks == 0:
-        return bool(handed_before - {session})
-    others = len(self.seen - {session})
-    if others >= self.ranks - 1:
-        return bool(handed_before)
-    if others >= self.ranks // 2 and not getattr(self, "at_half_done", False):
-        self.at_half_done = True
-        return True
-    return False
-
-
-def prepare_with_its_own_call(pending, manager, room, states, req):
-    """5df4005's state prepare, restated (mode ``_at_half``; not shipped): the shipped job,
-    whose prepared parts then get their own engine call in this job, at the chunk's start,
-    instead of joining the chunk's next one."""
-    from sglang_dflash_pp.srt.disaggregation import kv_digest_send as kds
-
-    SHIPPED_PREPARE_JOB(pending, manager, room, states, req)
-    unsummed, pending.unsummed = pending.unsummed, []
-    if unsummed:
-        kds._known_sums(pending, manager, unsummed, pending.written)
-
-
-SHIPPED_PREPARE_JOB = None  # kv_digest_send._prepare_states, set where the modes are built
-
-
 def make_pools(g, dev, pool_pages, torch):
     """The prefill rank's pools: the stage's MLA layers, the draft entries (NHD), KDA state."""
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -866,16 +829,13 @@ def run(args):
              "_no_eager": dict(inline=False, eager_min_bytes=1 << 62),
              "_no_prepare": dict(inline=False, prepare=False),
              "_at_last_rank_only": dict(inline=False, digest_during=at_last_rank_only, prepare=False),
-             "_at_half": dict(inline=False, digest_during=at_half, prepare_job=prepare_with_its_own_call),
              # a what-if, not shipped: the interpreter hands the GIL to a waiting thread after
              # 0.5 ms instead of 5 (does the worker wait out whole switch intervals?)
              "_switch_interval": dict(inline=False, switch_interval=SWITCH_INTERVAL_WHAT_IF_S)}  # fmt: skip
     mode_chunks = {"": ("middle", "last"), "_all_inline": ("middle", "last"), "_no_eager": ("last",),
-                   "_no_prepare": ("last",), "_at_last_rank_only": ("last",), "_at_half": ("last",),
+                   "_no_prepare": ("last",), "_at_last_rank_only": ("last",),
                    "_switch_interval": ("last",)}  # fmt: skip
     shipped_prepare = kds.prepare_states
-    global SHIPPED_PREPARE_JOB
-    SHIPPED_PREPARE_JOB = shipped_prepare_job = kds._prepare_states
     thread_use.update({f"{w}{m}": dict(lag=[], busy=[]) for m in modes for w in mode_chunks[m]})
     # Each over-link sample's wall split as the breakdown pass splits it (``_link_parts``), in
     # this rotating loop: does the same code spend the same time in the same places here?
@@ -890,7 +850,6 @@ def run(args):
             kds._Pending.digest_during = modes[mode].get("digest_during", shipped_rule)
             if not modes[mode].get("prepare", True):
                 kds.prepare_states = no_prepare
-            kds._prepare_states = modes[mode].get("prepare_job", shipped_prepare_job)
             switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(modes[mode].get("switch_interval", switch_interval))
             global TRANSFERS
@@ -908,7 +867,6 @@ def run(args):
                 kds.EAGER_DIGEST_MIN_BYTES = shipped_eager
                 kds._Pending.digest_during = shipped_rule
                 kds.prepare_states = shipped_prepare
-                kds._prepare_states = shipped_prepare_job
         return fn
 
     def drained(last, mode=""):
@@ -923,23 +881,18 @@ def run(args):
     # A whole request over the link: REQUEST_CHUNKS - 1 middle chunks then the last, one room,
     # back to back (a middle chunk's digest still running on the thread while the next is sent,
     # as in serving); digest on (shipped), every chunk inline, and off.
-    def request(on, inline=False, prepare=True, mode=""):
+    def request(on, inline=False, prepare=True):
         def fn(e):
             room["now"] = next(sp.rooms)
             room["busy0"] = sp.manager._dflash_kv_digest.thread.busy_s
-            shipped_rule = kds._Pending.digest_during
             if not prepare:
                 kds.prepare_states = no_prepare
-            kds._Pending.digest_during = modes[mode].get("digest_during", shipped_rule)
-            kds._prepare_states = modes[mode].get("prepare_job", shipped_prepare_job)
             try:
                 for i in range(REQUEST_CHUNKS):
                     last = i == REQUEST_CHUNKS - 1
                     sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on, inline=inline)
             finally:
                 kds.prepare_states = shipped_prepare
-                kds._Pending.digest_during = shipped_rule
-                kds._prepare_states = shipped_prepare_job
         return fn
 
     def request_after():
@@ -953,8 +906,6 @@ def run(args):
             request(True, inline=True), sp.stream, request_after),
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_no_prepare": (
             request(True, prepare=False), sp.stream, request_after),
-        f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_at_half": (
-            request(True, mode="_at_half"), sp.stream, request_after),
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off": (request(False), sp.stream, None),
         **{f"over_link_{w}_chunk_digest_on{m}": (over_link(w == "last", True, m), sp.stream,
                                                  drained(w == "last", m))
@@ -982,7 +933,7 @@ def run(args):
     direct = dig._direct
     link_request = (REQUEST_CHUNKS - 1) * link_mid + link_last
     off = results[f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off"]["wall_s"]
-    for mode in ("", "_all_inline", "_no_prepare", "_at_half"):
+    for mode in ("", "_all_inline", "_no_prepare"):
         on = results[f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on{mode}"]["wall_s"]
         results[f"over_link_request_{REQUEST_CHUNKS}_chunks_exposed{mode}"] = dict(
             chunks=REQUEST_CHUNKS, exposed_s=on["median"] - off["median"],
@@ -1093,9 +1044,6 @@ def run(args):
         shipped_rule = kds._Pending.digest_during
         if mode == "at_last_rank_only":
             kds._Pending.digest_during = at_last_rank_only
-        if mode == "at_half":
-            kds._Pending.digest_during = at_half
-            kds._prepare_states = prepare_with_its_own_call
         if mode in ("at_last_rank_only", "no_prepare"):
             kds.prepare_states = no_prepare
         samples = []
@@ -1124,20 +1072,19 @@ def run(args):
                         engine_calls=len(engine_calls), engine_s=sum(engine_calls),
                         # the digest job the status waited for (the chunk's last one), and its parts
                         **({f"tail_job_{k}": v for k, v in job_parts[-1].items()}
-                           if mode in ("shipped", "at_half", "no_prepare") and job_parts else {}),
+                           if mode in ("shipped", "no_prepare") and job_parts else {}),
                         **{f"thread_{k}": v - jobs_before.get(k, 0.0) for k, v in jobs.items()}))
         finally:
             TRANSFERS = None
             thread._timed, engine.digest, kds._resolved_lists = real_timed, real_digest, real_resolved
             kds._Pending.digest_during = shipped_rule
             kds.prepare_states = shipped_prepare
-            kds._prepare_states = shipped_prepare_job
         keys = sorted({k for s_ in samples for k in s_})
         return {k: summary([s_.get(k, 0.0) for s_ in samples]) for k in keys}
 
     results["over_link_last_chunk_breakdown"] = {
         m: over_link_breakdown(m)
-        for m in ("shipped", "at_half", "no_prepare", "at_last_rank_only", "all_inline", "off")}
+        for m in ("shipped", "no_prepare", "at_last_rank_only", "all_inline", "off")}
 
     # Where a direct chunk call's time goes: DeviceDigest's own marks (host clock and an event on
     # its stream at each step), relative to the call's start.
@@ -1517,7 +1464,16 @@ TRIED_SCHEDULE = (
     "`_state_prepare_only` = the shipped code): the last chunk 9.9% against 9.2% without it, a "
     "4-chunk request 6.3% against 6.2%, the status's wait 162 against 160 us, 3 engine calls "
     "either way: that part was not what the status waited for (its tail job was 35 us either "
-    "way)."
+    "way). And the decode ranks before the last digested in three engine calls during their "
+    "transfers instead of one at half of them, the prepared state joining the chunk's next call "
+    "instead of its own (commit ca8a98f, reverted: its run, "
+    "[`kv_digest_cost_thirds_ca8a98f.json`](kv_digest_cost_thirds_ca8a98f.json), with the "
+    "shipped schedule restated as `_at_half`): the last chunk 9.0% against 7.5%, but 12928 "
+    "against 12989 us in the breakdown pass and a 4-chunk request 5.9% against 6.5%, no clear "
+    "gain; its timeline ([`kv_digest_timeline_thirds_ca8a98f.json`]"
+    "(kv_digest_timeline_thirds_ca8a98f.json)): the prepare job shorter (450-620 us), but each "
+    "third's job 0.9-1.3 ms, longer than the half's had been, so as many transfers ended in a "
+    "job."
 )
 
 
@@ -1619,7 +1575,6 @@ def section(r, name="kv_digest_cost.json"):
             ("last", "_all_inline"): "inline, at the status (the previous shipped design)",
             ("last", "_no_eager"): "on the digest thread, all at the status (no digest during its transfers)",
             ("last", "_at_last_rank_only"): "on the digest thread, one call at the last decode rank's first long transfer, the rest at the status (012a25a's schedule, the state digested at its send)",
-            ("last", "_at_half"): "shipped until 5df4005: one call at half the decode ranks, the prepared state in its own call at the chunk's start",
             ("last", "_no_prepare"): "shipped, but the state digested at its send, not from the chunk's start (e7c7ad6's code)",
             ("last", "_switch_interval"): "shipped, the interpreter's thread switch interval 0.5 ms instead of 5 ms during the chunk (a what-if, not shipped)",
         }.get((which, mode), mode)
@@ -1631,9 +1586,7 @@ def section(r, name="kv_digest_cost.json"):
             f"{us(x['thread_lag_after_chunk_s'])} |")  # fmt: skip
     REQUEST_MODE_NAMES = {"_all_inline": "every chunk inline (the synchronous design)",
                           "_no_prepare": "shipped but the last chunk's state digested at its send "
-                                         "(e7c7ad6's code)",
-                          "_at_half": "5df4005's code (a call at half the decode ranks, the "
-                                      "prepared state in its own call)"}  # fmt: skip
+                                         "(e7c7ad6's code)"}  # fmt: skip
     rq = [k for k in res if k.startswith("over_link_request_") and "_chunks_exposed" in k]
     if rq:
         n = res[rq[0]]["chunks"]
@@ -1659,7 +1612,6 @@ def section(r, name="kv_digest_cost.json"):
         job = lambda m, k: f"{med(m, k):.0f}" if k in bd[m] else "-"  # noqa: E731
         names = {"shipped": "shipped", "no_prepare": "the state digested at its send (e7c7ad6)",
                  "at_last_rank_only": "012a25a's schedule (one call at the last rank)",
-                 "at_half": "5df4005's (a call at half the ranks, the state prepared in its own)",
                  "all_inline": "inline at the status (earlier design)", "off": "digest off"}  # fmt: skip
         out += ["", "Where a last chunk's time goes over the link (a separate pass with timing "
                 "wrappers; medians in µs): the worker's wait at the status; its time outside the "
@@ -1669,7 +1621,7 @@ def section(r, name="kv_digest_cost.json"):
                 "| last chunk | wall | wait at the status | worker outside transfers | transfers late | "
                 "thread: resolve / queue / digest jobs | engine calls (time) |",
                 "|---|---|---|---|---|---|---|"]
-        for m in ("shipped", "at_half", "no_prepare", "at_last_rank_only", "all_inline", "off"):
+        for m in ("shipped", "no_prepare", "at_last_rank_only", "all_inline", "off"):
             if m not in bd:
                 continue
             out.append(
@@ -1678,7 +1630,7 @@ def section(r, name="kv_digest_cost.json"):
                 f"{job(m, 'thread__resolve_job')} / {job(m, 'thread__queue_job')} / "
                 f"{job(m, 'thread__digest_pending')} | {bd[m]['engine_calls']['median']:.0f} "
                 f"({med(m, 'engine_s'):.0f}) |")  # fmt: skip
-        tails = [m for m in ("shipped", "at_half", "no_prepare") if "tail_job_job" in bd.get(m, {})]
+        tails = [m for m in ("shipped", "no_prepare") if "tail_job_job" in bd.get(m, {})]
         if tails:
             out += ["", "The digest job the status waits for (the chunk's last; medians in µs): " + "; ".join(
                 f"{names[m]}: {med(m, 'tail_job_job'):.0f} in all, resolving sglang's descriptor lists "

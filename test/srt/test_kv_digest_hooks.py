@@ -390,12 +390,11 @@ def test_a_last_chunk_is_digested_during_its_own_long_transfers_and_read_before_
 
 def test_a_last_chunk_hides_few_engine_calls_in_its_long_transfers():
     """Which long transfer of a last chunk also has the thread digest what is queued: with the
-    room's decode ranks known, once each group of the ranks before the last (``EAGER_GROUPS``)
-    was handed over, the last group's at the last rank's first, and at each later one of the
-    last rank that follows a hand-over (so the status waits only for what the last transfers
-    handed over); for one decode rank, at a long transfer after a hand-over; not known, at each
-    new rank's first; never on a middle chunk (its digest runs after it) or in the synchronous
-    design."""
+    room's decode ranks known, once when half the ranks before the last were handed over, at the
+    last rank's first, and at each later one of the last rank that follows a hand-over (so the
+    status waits only for what the last transfers handed over); for one decode rank, at a long
+    transfer after a hand-over; not known, at each new rank's first; never on a middle chunk
+    (its digest runs after it) or in the synchronous design."""
     P = kv_digest_send._Pending
 
     def fired(p, sends):
@@ -420,13 +419,10 @@ def test_a_last_chunk_hides_few_engine_calls_in_its_long_transfers():
     inline.inline = True
     assert fired(inline, sends) == []
     # Kimi-K3's last stage (kv_digest_cost.py): 8 decode ranks, each sent its target MLA entries
-    # then its draft: calls at rank 2's MLA (ranks 0..1 and it), rank 5's MLA (2..4 and it),
-    # rank 7's MLA (5..6 and it) and rank 7's draft; the status waits for rank 7's state only
+    # then its draft: calls at rank 4's MLA (ranks 0..3 and it), rank 7's MLA (4..6 and it) and
+    # rank 7's draft; the status waits for rank 7's state only
     k3 = [(r, draft) for r in range(8) for draft in (False, True)]
-    assert fired(P(last=True, ranks=8), k3) == [2, 5, 7, (7, "handed first")]
-    assert kv_digest_send.EAGER_GROUPS == 3
-    assert [kv_digest_send.eager_marks(n) for n in (1, 2, 3, 4, 5, 8, 32)] == [
-        [], [], [1], [1, 2], [1, 3], [2, 5], [10, 21]]
+    assert fired(P(last=True, ranks=8), k3) == [4, 7, (7, "handed first")]
     assert fired(P(last=False, ranks=8), k3) == []
 
 
@@ -508,10 +504,9 @@ def _state_manager(engine, failures, sent, state_lists):
     return regs, manager
 
 
-def _last_chunk_with_state(manager, regs, state_lists, send_state=True, kv_lists=()):
-    """Room 7's last chunk to d0: its KV sends ``kv_lists`` (each a transfer, the thread
-    running what is queued during it), its state send (if ``send_state``) and its aux; how many
-    engine calls the digest made after the worker's state send."""
+def _last_chunk_with_state(manager, regs, state_lists, send_state=True):
+    """Room 7's last chunk to d0: its state send (if ``send_state``) and its aux; the engine
+    calls the digest made, and how many of them came after the worker's state send."""
     from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
 
     thread = manager._dflash_kv_digest.thread
@@ -520,11 +515,6 @@ def _last_chunk_with_state(manager, regs, state_lists, send_state=True, kv_lists
         room=7, wait_event=None, is_last_chunk=True, state_indices=[[3]]))  # fmt: skip
     try:
         assert thread.wait(5)  # the prepare job ran (it would run during the chunk's KV)
-        for src, dst, length in kv_lists:
-            with kv_digest_send.scope(manager, "d0", None):
-                kv_digest_send.batch_transfer_sync_around(_recording()[0], manager.engine, "d0",
-                                                          src, dst, length)  # fmt: skip
-            assert thread.wait(5)  # Mooncake's wait: what the transfer queued has run
         before = len(manager.engine_calls)
         if send_state:
             req = manager.transfer_infos[7]["d0"]
@@ -552,17 +542,13 @@ def _counting_engine(calls):
     return Counting("cpu")
 
 
-@pytest.mark.parametrize("case", ["sent as prepared", "sent after an eager call", "not sent",
-                                  "sent otherwise"])
-def test_a_last_chunks_state_is_digested_from_its_start_and_only_what_is_sent_is_added(
-        monkeypatch, case):
+@pytest.mark.parametrize("case", ["sent as prepared", "not sent", "sent otherwise"])
+def test_a_last_chunks_state_is_digested_from_its_start_and_only_what_is_sent_is_added(case):
     """On a room's last chunk with a state, the digest thread runs sglang's state send dry at the
-    chunk's start (nothing transferred) and resolves it; the chunk's next engine call digests it
-    with what the worker handed over. When the worker's state send hands over the same lists,
-    they are not resolved or digested again: after an engine call during the chunk's long
-    transfers the status makes none, and the sums are the sent bytes'; a state the worker does
-    not send adds nothing and costs no engine call; lists the send does not repeat are digested
-    as they come (the prepared ones with them, unused)."""
+    chunk's start (nothing transferred) and digests it then: when the worker's state send hands
+    over the same lists, the status makes no engine call and the sums are the sent bytes'; a
+    state the worker does not send adds nothing; lists the send does not repeat are digested as
+    they come."""
     import numpy as np
 
     from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks, BufferKind, buffer_key
@@ -579,31 +565,19 @@ def test_a_last_chunks_state_is_digested_from_its_start_and_only_what_is_sent_is
         sent_lists = [([base + 256], [(1 << 42) + 256], [512])]
     else:
         sent_lists = lists
-    kv_lists = ()
-    if case == "sent after an eager call":  # two long KV transfers first: the second's call
-        monkeypatch.setattr(kv_digest_send, "WINDOW_MIN_BYTES", 128)
-        monkeypatch.setattr(kv_digest_send, "EAGER_DIGEST_MIN_BYTES", 128)
-        kv_lists = [([base], [1 << 40], [128]), ([base + 128], [(1 << 40) + 128], [128])]
     after_state = _last_chunk_with_state(manager, regs, lambda: sent_lists,
-                                         send_state=case != "not sent", kv_lists=kv_lists)  # fmt: skip
+                                         send_state=case != "not sent")  # fmt: skip
     assert failures == [] and len(sent) == 1
     assert manager.state_sends == []  # the dry run moved nothing
+    assert calls[0] == 512  # the prepare job's one engine call, at the chunk's start
     sums = decode(sent[0]).sums
     key = [buffer_key(BufferKind.KV, 0), buffer_key(BufferKind.STATE, 0)]
     if case == "not sent":
-        assert sums == {} and after_state == 0 and calls == []
+        assert sums == {} and after_state == 0
         return
     srcs, dsts, lens = sent_lists[0]
     want = digest_blocks_host(
-        Blocks.concat([Blocks.of([s], [d - (1 << 42)], n, 1) for s, d, n in zip(srcs, dsts, lens)]
-                      + [Blocks.of([s[0]], [d[0] - (1 << 40)], n[0], 0) for s, d, n in kv_lists]),
+        Blocks.concat([Blocks.of([s], [d - (1 << 42)], n, 1) for s, d, n in zip(srcs, dsts, lens)]),
         key)  # fmt: skip
-    assert sums == {(int(BufferKind.STATE), 0): int(want[1]),
-                    **({(int(BufferKind.KV), 0): int(want[0])} if kv_lists else {})}
-    if case == "sent after an eager call":
-        # the eager call: both KV transfers and the prepared state; the status: none
-        assert calls == [256 + 512] and after_state == 0
-    elif case == "sent as prepared":  # no call before the status: one there, the lists once
-        assert calls == [512] and after_state == 1
-    else:  # the sent lists and the unused prepared ones, in the status's one call
-        assert calls == [512 + 512] and after_state == 1
+    assert sums == {(int(BufferKind.STATE), 0): int(want[1])}
+    assert after_state == (0 if case == "sent as prepared" else 1)

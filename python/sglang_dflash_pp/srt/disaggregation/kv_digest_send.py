@@ -18,15 +18,13 @@ calls for every decode rank's lists, not a few per list) and digests it in one e
 the next chunk's transfers. A room's last chunk must be read before its status goes out (the
 prefill frees the request's pages after it) and nothing after it hides the work: some of its
 transfers of at least ``EAGER_DIGEST_MIN_BYTES`` also have the thread digest what was handed
-over before them (an engine call hidden by that transfer: once each third of the decode ranks
-before the last was handed over, at the last rank's first, and at its later ones; engine calls
-are few, as each costs ~0.1-0.2 ms of thread time, and each fits the transfer it runs in: a
-job that outlasts it holds the GIL the worker comes back for), so at the status the worker
-waits (bounded) only for the chunk's tail, what its last transfers handed over
-(``benchmark/gpu/results``, ``benchmark/kv_digest``: the cost; :meth:`_Pending.digest_during`).
-Its state sends, sent last, are known from its start: the thread runs them dry then and the
-chunk's next engine call digests them while the KV moves (:func:`prepare_states`), so the tail
-holds no state to digest.
+over before them (an engine call hidden by that transfer: once half the decode ranks' sends
+were handed over, at the last rank's first, and at its later ones; engine calls are few and
+large, as each costs ~0.1-0.2 ms of thread time), so at the status the worker waits (bounded)
+only for the chunk's tail, what its last transfers handed over (``benchmark/gpu/results``,
+``benchmark/kv_digest``: the cost; :meth:`_Pending.digest_during`). Its state sends, sent last,
+are known from its start: the thread runs them dry then and digests them while the KV moves
+(:func:`prepare_states`), so the tail holds no state to digest.
 
 Hooks (``sglang/srt/disaggregation/``):
 
@@ -93,11 +91,6 @@ WINDOW_MIN_BYTES = 1 << 20
 # A last chunk's transfer this long (0.34 ms at 50 GB/s) hides an engine call (~0.1-0.3 ms of
 # host and GPU time on an H200 host): the thread digests what is queued during it.
 EAGER_DIGEST_MIN_BYTES = 16 << 20
-# The decode ranks before a last chunk's last one are digested in this many engine calls during
-# their transfers. Kimi-K3's last stage on an H200 (benchmark/gpu/results/kv_digest_timeline.json):
-# the job of one call at half its 8 ranks took 0.8-1.1 ms and outlasted the 0.76 ms target
-# transfer it ran in, in 5 of 5 timelines; a third of them is about 2 ranks' sends.
-EAGER_GROUPS = 3
 
 
 class SendDigest:
@@ -196,10 +189,7 @@ class _Pending:
         # decode sessions whose sends were handed over since the last digest during a transfer
         self.handed: set = set()
         self.seen: set = set()  # every decode session this chunk handed over sends for
-        # how many ranks before the last were handed over when each engine call before the
-        # last rank's is made (:func:`eager_marks`), and how many of those calls were made
-        self.marks = eager_marks(ranks)
-        self.marked = 0
+        self.halfway = False  # the engine call at half the decode ranks was made
         self.manager = None
         self.items: List[Tuple[int, str, object, object]] = []  # room, session, registration, what
         self.written: Tuple = ()
@@ -209,10 +199,8 @@ class _Pending:
         # its sums (also across the engine calls of one last chunk).
         self.known: Dict[Tuple, np.ndarray] = {}
         # State sends prepared at the chunk's start (:func:`prepare_states`): sglang's lists as
-        # tuples -> (blocks, signature); ``unsummed``: their parts whose sums the chunk's next
-        # engine call adds to ``known`` (the digest thread's alone: it prepares and digests).
+        # tuples -> (blocks, signature), their sums in ``known``.
         self.prepared: Dict[Tuple, Tuple[Blocks, Tuple]] = {}
-        self.unsummed: List[Tuple] = []
         self._lock = threading.Lock()  # sglang's executor threads hand over here too
 
     def hand(self, manager, room: int, session: str, registration, what, written) -> None:
@@ -238,14 +226,13 @@ class _Pending:
     def digest_during(self, session: str, handed_before: set) -> bool:
         """Whether a long transfer to ``session`` should hide an engine call over what is
         queued, on a last chunk: its status waits for whatever the thread has not digested when
-        the last transfer ends, so the work is cut where transfers hide it, in pieces that fit
-        them. With the room's decode ranks known, ``EAGER_GROUPS`` calls cover the ranks before
-        the last (at the first long transfer once each group of them was handed over, the last
-        group's at the last rank's first), and each further long transfer to the last rank
-        hides its own sends so far: the status waits only for what its last transfers handed
-        over. For a single decode rank, at each long transfer after its first; with the ranks
-        not known, at the first long transfer to each new rank. Never on a middle chunk
-        (digested after it) or in the synchronous design."""
+        the last transfer ends, so the work is cut where transfers hide it. With the room's
+        decode ranks known, two calls cover the ranks before the last (at the first long
+        transfer once half of them were handed over, and at the last rank's first), and each
+        further long transfer to the last rank hides its own sends so far: the status waits
+        only for what its last transfers handed over. For a single decode rank, at each long
+        transfer after its first; with the ranks not known, at the first long transfer to each
+        new rank. Never on a middle chunk (digested after it) or in the synchronous design."""
         if not self.last or self.inline:
             return False
         if self.ranks == 1:
@@ -255,9 +242,8 @@ class _Pending:
         others = len(self.seen - {session})
         if others >= self.ranks - 1:
             return bool(handed_before)
-        passed = sum(others >= m for m in self.marks)
-        if passed > self.marked:
-            self.marked = passed
+        if others >= self.ranks // 2 and not self.halfway:
+            self.halfway = True
             return True
         return False
 
@@ -271,15 +257,6 @@ class _Pending:
             _digest_pending(self)
         else:
             digest_of(manager).thread.submit(_digest_pending, self)
-
-
-def eager_marks(ranks: int) -> List[int]:
-    """With ``ranks`` decode ranks, how many ranks before the last were handed over when each
-    engine call before the last rank's is made: the ``ranks - 1`` of them in ``EAGER_GROUPS``
-    groups of near-equal size (the last group's call is the last rank's first)."""
-    before = ranks - 1
-    marks = {max(1, round(before * k / EAGER_GROUPS)) for k in range(1, EAGER_GROUPS)}
-    return sorted(m for m in marks if m < before)
 
 
 def _pending() -> _Pending:
@@ -393,8 +370,7 @@ def prepare_states(manager, chunk, reqs) -> None:
     decode rank is the chunk's last transfer, so nothing after it hides its digest, but it is
     known from the chunk's start. The digest thread runs sglang's own state send
     (``maybe_send_extra``) to that rank dry then (:func:`captured_transfer`: its descriptors
-    kept, nothing moved) and resolves them; the chunk's next engine call digests them with what
-    the worker handed over (one call fewer, and a job that fits the first transfer); when the
+    kept, nothing moved) and digests the descriptors while the chunk's KV moves; when the
     worker's real state send hands over the same lists, their sums are known and the status
     does not wait for an engine call. A list the real send does not repeat is digested as it
     comes (nothing is added for a state the worker does not send). Only the last rank's:
@@ -407,10 +383,11 @@ def prepare_states(manager, chunk, reqs) -> None:
     if digest is None or not states or pending is None or not pending.last or not reqs:
         return
     # ``reqs`` (:func:`_room_requests`) in the worker's order: the last one's state is the tail
-    digest.thread.submit(_prepare_states, pending, manager, int(chunk.room), states, reqs[-1])
+    digest.thread.submit(_prepare_states, pending, manager, int(chunk.room), states, reqs[-1],
+                         transfer_chunk.written())  # fmt: skip
 
 
-def _prepare_states(pending: _Pending, manager, room: int, states, req) -> None:
+def _prepare_states(pending: _Pending, manager, room: int, states, req, written) -> None:
     session = req.mooncake_session_id
     reg = (getattr(manager, "decode_kv_args_table", None) or {}).get(session)
     if pending.inline or reg is None:  # the synchronous design digests where it sends
@@ -423,9 +400,9 @@ def _prepare_states(pending: _Pending, manager, room: int, states, req) -> None:
     finally:
         _scope.capture = None
     parts = _signed_parts(digest_of(manager).resolver, [(room, session, reg, w) for w in captured])
-    resolved = [(w, p) for w, p in zip(captured, parts) if p[3] is not None]
-    pending.prepared.update({_list_key(w): (p[3], p[4]) for w, p in resolved})
-    pending.unsummed.extend(p for _, p in resolved if p[3].count)
+    if _known_sums(pending, manager, [p for p in parts if p[3] is not None and p[3].count], written):
+        pending.prepared.update({_list_key(w): (p[3], p[4]) for w, p in zip(captured, parts)
+                                 if p[3] is not None and p[4] in pending.known})  # fmt: skip
 
 
 def captured_transfer(session_id, buffers, peer_buffer_addresses, lengths) -> bool:
@@ -467,8 +444,7 @@ def _known_sums(pending: _Pending, manager, parts, written) -> bool:
 
 def _digest_pending(pending: _Pending) -> None:
     """Resolve and digest every send ``pending`` holds, in one engine call (parts whose sums this
-    chunk already knows: none; the prepared state parts not digested yet: with them), and add
-    the sums to their rooms."""
+    chunk already knows: none), and add the sums to their rooms."""
     items, manager, written = pending.take()
     digest = digest_of(manager) if manager is not None else None
     if digest is None or not items:
@@ -482,8 +458,7 @@ def _digest_pending(pending: _Pending) -> None:
             _fail(manager, room, session, signature)
         elif blocks.count:
             parts.append((room, session, registration, blocks, signature))
-    unsummed, pending.unsummed = pending.unsummed, []
-    if not _known_sums(pending, manager, parts + unsummed, written):
+    if not _known_sums(pending, manager, parts, written):
         return
     for room, session, registration, _, signature in parts:
         digest.add(room, session, tables_of(registration), pending.known[signature])
