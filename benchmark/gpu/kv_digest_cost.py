@@ -1471,9 +1471,9 @@ TRIED_SCHEDULE = (
     "shipped schedule restated as `_at_half`): the last chunk 9.0% against 7.5%, but 12928 "
     "against 12989 us in the breakdown pass and a 4-chunk request 5.9% against 6.5%, no clear "
     "gain; its timeline ([`kv_digest_timeline_thirds_ca8a98f.json`]"
-    "(kv_digest_timeline_thirds_ca8a98f.json)): the prepare job shorter (450-620 us), but each "
-    "third's job 0.9-1.3 ms, longer than the half's had been, so as many transfers ended in a "
-    "job."
+    "(kv_digest_timeline_thirds_ca8a98f.json), 5 samples): the prepare job 450-620 us, within "
+    "the transfer it ran in, but each of the two thirds' jobs 0.9-1.3 ms, outlasting its 0.76 ms "
+    "transfer by 0.2-0.6 ms: a job's length did not follow the ranks it covered."
 )
 
 
