@@ -621,6 +621,17 @@ def at_last_rank_only(self, session, handed_before):
     return others >= 1
 
 
+def l2_flush_event(torch, forward, flush_buf):
+    """The L2 flush (``flush_buf`` filled on the ``forward`` stream) stands for the forward's KV
+    writes: the event the digest must wait on, already passed when returned."""
+    with torch.cuda.stream(forward):
+        flush_buf.fill_(1)
+        e = torch.cuda.Event()
+        e.record(forward)
+    e.synchronize()
+    return e
+
+
 def make_pools(g, dev, pool_pages, torch):
     """The prefill rank's pools: the stage's MLA layers, the draft entries (NHD), KDA state."""
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -726,13 +737,7 @@ def run(args):
     flush_buf = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
 
     def kv_written():
-        """The L2 flush stands for the forward's KV writes: the event the digest must wait on."""
-        with torch.cuda.stream(forward):
-            flush_buf.fill_(1)
-            e = torch.cuda.Event()
-            e.record(forward)
-        e.synchronize()
-        return e
+        return l2_flush_event(torch, forward, flush_buf)
 
     def jit(fn):
         """``fn`` with the DeviceDigest launching through Triton's JIT (its fallback)."""

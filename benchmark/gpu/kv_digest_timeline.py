@@ -192,15 +192,7 @@ def main():
     flush_buf = torch.empty(512 << 20, dtype=torch.uint8, device=dev) if on_gpu else None
 
     def kv_written():
-        """The L2 flush stands for the forward's KV writes, as in ``kv_digest_cost``."""
-        if not on_gpu:
-            return None
-        with torch.cuda.stream(forward):
-            flush_buf.fill_(1)
-            e = torch.cuda.Event()
-            e.record(forward)
-        e.synchronize()
-        return e
+        return cost.l2_flush_event(torch, forward, flush_buf) if on_gpu else None
 
     rooms = iter(range(10_000, 10_000_000))
     out = {True: [], False: []}
