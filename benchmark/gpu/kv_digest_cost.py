@@ -1069,11 +1069,8 @@ def run(args):
                 if mode != "off":
                     sp.pop(r)
                 if i >= args.warmup:
-                    in_transfers = sum(b - a for _, a, b in moved)
                     samples.append(dict(
-                        wall=t1 - t0, flush_wait=t1 - t_flush,
-                        worker_outside_transfers=(t_flush - t0) - in_transfers,
-                        transfers_late=sum((b - a) - want for want, a, b in moved),
+                        wall=t1 - t0, **_link_parts(moved, t0, t_flush, t1),
                         engine_calls=len(engine_calls), engine_s=sum(engine_calls),
                         # the digest job the status waited for (the chunk's last one), and its parts
                         **({f"tail_job_{k}": v for k, v in job_parts[-1].items()}

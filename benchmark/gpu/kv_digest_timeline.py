@@ -75,10 +75,11 @@ def one_chunk(sp, room, event, on):
         t_flush = sp.chunk(room, event, True, link_bps=cost.LINK_BPS, digest=on)
         t1 = time.perf_counter()
         moved = cost.TRANSFERS
+        cost.TRANSFERS = None
+        sp.drain()  # the jobs the chunk left are on its timeline too
     finally:
         cost.TRANSFERS = None
-    sp.drain()
-    thread._timed, engine.digest = real_timed, real_digest
+        thread._timed, engine.digest = real_timed, real_digest
     if on:
         sp.pop(room)
     rel = lambda spans: [(n, a - t0, b - t0) for n, a, b in spans]  # noqa: E731
