@@ -402,6 +402,34 @@ def _over_link(nbytes, link_bps):
     TRANSFERS.append((nbytes / link_bps, t0, time.perf_counter()))  # end: the GIL taken back
 
 
+class EmulatedLink:
+    """Mooncake's ``TransferEngine`` asynchronous batch API (what ``kv_digest_send`` submits a
+    worker's transfer to when it digests in the transfer's window) over the emulated link: the
+    submit starts the bytes' time at ``bps``, the status waits, the GIL released
+    (``time.sleep``), for what is left of it; each transfer recorded as ``_over_link`` records
+    it. ``bps`` None: the bytes take no time."""
+
+    def __init__(self):
+        self.bps = None
+        self._ids = itertools.count(1)
+        self._due = {}
+
+    def batch_transfer_async_write(self, session_id, buffers, peer_buffer_addresses, lengths):
+        i = next(self._ids)
+        self._due[i] = (time.perf_counter(), sum(lengths) / self.bps if self.bps else 0.0)
+        return i
+
+    def get_batch_transfer_status(self, batch_ids):
+        for i in batch_ids:
+            t0, want = self._due.pop(i)
+            left = t0 + want - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+            if TRANSFERS is not None:
+                TRANSFERS.append((want, t0, time.perf_counter()))
+        return 0
+
+
 def _link_parts(moved, t0, t_flush, t1) -> dict:
     """One over-link chunk's wall split: the worker's wait at the status (``flush``), its time
     outside the transfers before it (the hooks, and the GIL when the digest thread holds it),
@@ -455,7 +483,8 @@ class SendPath:
         t0 = time.perf_counter()
         engine = DigestEngine(device)
         self.startup_s = time.perf_counter() - t0
-        self.mooncake = SimpleNamespace(name="the manager's MooncakeTransferEngine")
+        self.mooncake = SimpleNamespace(name="the manager's MooncakeTransferEngine",
+                                        engine=EmulatedLink())  # fmt: skip
         entries = list(mla_bases) + list(draft_bases)
         self.manager = SimpleNamespace(
             # sglang's _prefill_unique_rank: attn_tp_rank * pp_size * cp + pp_rank * cp + cp_rank
@@ -498,10 +527,21 @@ class SendPath:
         self.popped = {}
         # The same rank with the digest off (what every hook sees when the flag is not given).
         self.manager_off = SimpleNamespace(**{**vars(self.manager), "_dflash_kv_digest": None})
+        # as start_send_digest decides it for this engine (True: the worker digests in windows)
+        self.manager._dflash_kv_digest.windows = kds.transfer_windows(self.mooncake)
 
     @property
     def engine(self):
         return self.manager._dflash_kv_digest.engine
+
+    @property
+    def windows(self):
+        """Whether the worker digests in its transfers' windows (``SendDigest.windows``)."""
+        return self.manager._dflash_kv_digest.windows
+
+    @windows.setter
+    def windows(self, on):
+        self.manager._dflash_kv_digest.windows = bool(on)
 
     @property
     def stream(self):
@@ -517,6 +557,7 @@ class SendPath:
         kds, mdk = self.kds, self.mdk
         m = self.manager if digest else self.manager_off
         move = _moved if link_bps is None else _moving(link_bps)
+        self.mooncake.engine.bps = link_bps
         # the transfer worker hook's begin_chunk / end_chunk (the chunk's _Pending)
         mdk.begin_chunk(m, SimpleNamespace(room=room, wait_event=wait_event, is_last_chunk=last,
                                            state_indices=[[SRC_STATE_SLOT]] if last else None))
@@ -811,10 +852,12 @@ def run(args):
         def fn(e):
             room["now"] = next(sp.rooms)
             thread.submit = lambda *a: None
+            sp.windows = False  # (with windows the worker would digest in its transfers)
             try:
                 return sp.chunk(room["now"], e, last, digest=on)
             finally:
                 del thread.submit
+                sp.windows = True
         return fn
 
     # Over an emulated link (each transfer takes its bytes' time at LINK_BPS, the GIL released):
@@ -830,14 +873,20 @@ def run(args):
     # and a last chunk on the thread without those eager digests (all of it at the status);
     # same run.
     kds = sp.kds
-    modes = {"": dict(inline=False), "_all_inline": dict(inline=True),
+    # "windows": the worker digests its chunk inside its own transfers (Mooncake's asynchronous
+    # batch API, what ships where the engine has it); without it, the digest thread's schedule
+    # (``_thread``: the code before the windows, still what ships for an engine without it),
+    # which every restated earlier schedule below varies.
+    modes = {"": dict(inline=False, windows=True), "_thread": dict(inline=False),
+             "_all_inline": dict(inline=True),
              "_no_eager": dict(inline=False, eager_min_bytes=1 << 62),
              "_no_prepare": dict(inline=False, prepare=False),
              "_at_last_rank_only": dict(inline=False, digest_during=at_last_rank_only, prepare=False),
              # a what-if, not shipped: the interpreter hands the GIL to a waiting thread after
              # 0.5 ms instead of 5 (does the worker wait out whole switch intervals?)
              "_switch_interval": dict(inline=False, switch_interval=SWITCH_INTERVAL_WHAT_IF_S)}  # fmt: skip
-    mode_chunks = {"": ("middle", "last"), "_all_inline": ("middle", "last"), "_no_eager": ("last",),
+    mode_chunks = {"": ("middle", "last"), "_thread": ("middle", "last"),
+                   "_all_inline": ("middle", "last"), "_no_eager": ("last",),
                    "_no_prepare": ("last",), "_at_last_rank_only": ("last",),
                    "_switch_interval": ("last",)}  # fmt: skip
     shipped_prepare = kds.prepare_states
@@ -857,6 +906,7 @@ def run(args):
                 kds.prepare_states = no_prepare
             switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(modes[mode].get("switch_interval", switch_interval))
+            sp.windows = modes[mode].get("windows", False)
             global TRANSFERS
             TRANSFERS = []
             try:
@@ -868,6 +918,7 @@ def run(args):
                 return t_flush
             finally:
                 TRANSFERS = None
+                sp.windows = True
                 sys.setswitchinterval(switch_interval)
                 kds.EAGER_DIGEST_MIN_BYTES = shipped_eager
                 kds._Pending.digest_during = shipped_rule
@@ -886,18 +937,20 @@ def run(args):
     # A whole request over the link: REQUEST_CHUNKS - 1 middle chunks then the last, one room,
     # back to back (a middle chunk's digest still running on the thread while the next is sent,
     # as in serving); digest on (shipped), every chunk inline, and off.
-    def request(on, inline=False, prepare=True):
+    def request(on, inline=False, prepare=True, windows=True):
         def fn(e):
             room["now"] = next(sp.rooms)
             room["busy0"] = sp.manager._dflash_kv_digest.thread.busy_s
             if not prepare:
                 kds.prepare_states = no_prepare
+            sp.windows = windows
             try:
                 for i in range(REQUEST_CHUNKS):
                     last = i == REQUEST_CHUNKS - 1
                     sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on, inline=inline)
             finally:
                 kds.prepare_states = shipped_prepare
+                sp.windows = True
         return fn
 
     def request_after():
@@ -909,8 +962,10 @@ def run(args):
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on": (request(True), sp.stream, request_after),
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_all_inline": (
             request(True, inline=True), sp.stream, request_after),
+        f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_thread": (
+            request(True, windows=False), sp.stream, request_after),
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_no_prepare": (
-            request(True, prepare=False), sp.stream, request_after),
+            request(True, prepare=False, windows=False), sp.stream, request_after),
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off": (request(False), sp.stream, None),
         **{f"over_link_{w}_chunk_digest_on{m}": (over_link(w == "last", True, m), sp.stream,
                                                  drained(w == "last", m))
@@ -938,7 +993,7 @@ def run(args):
     direct = dig._direct
     link_request = (REQUEST_CHUNKS - 1) * link_mid + link_last
     off = results[f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off"]["wall_s"]
-    for mode in ("", "_all_inline", "_no_prepare"):
+    for mode in ("", "_thread", "_all_inline", "_no_prepare"):
         on = results[f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on{mode}"]["wall_s"]
         results[f"over_link_request_{REQUEST_CHUNKS}_chunks_exposed{mode}"] = dict(
             chunks=REQUEST_CHUNKS, exposed_s=on["median"] - off["median"],
@@ -954,7 +1009,7 @@ def run(args):
         busy = use["busy"][-args.reps:] if n >= args.reps else use["busy"]
         lag = use["lag"][-args.reps:] if n >= args.reps else use["lag"]
         results[f"over_link_{which}_chunk_exposed{mode}"] = dict(
-            inline=modes[mode]["inline"],
+            inline=modes[mode]["inline"], windows=modes[mode].get("windows", False),
             eager_digest_min_bytes=(modes[mode].get("eager_min_bytes", kds.EAGER_DIGEST_MIN_BYTES)
                                     if which == "last" else None),  # fmt: skip
             exposed_s=on["median"] - off["median"],
@@ -1047,6 +1102,7 @@ def run(args):
 
         thread._timed, engine.digest, kds._resolved_lists = timed_job, counted, resolved
         shipped_rule = kds._Pending.digest_during
+        sp.windows = mode in ("shipped", "all_inline", "off")
         if mode == "at_last_rank_only":
             kds._Pending.digest_during = at_last_rank_only
         if mode in ("at_last_rank_only", "no_prepare"):
@@ -1074,19 +1130,20 @@ def run(args):
                         engine_calls=len(engine_calls), engine_s=sum(engine_calls),
                         # the digest job the status waited for (the chunk's last one), and its parts
                         **({f"tail_job_{k}": v for k, v in job_parts[-1].items()}
-                           if mode in ("shipped", "no_prepare") and job_parts else {}),
+                           if mode in ("shipped", "thread", "no_prepare") and job_parts else {}),
                         **{f"thread_{k}": v - jobs_before.get(k, 0.0) for k, v in jobs.items()}))
         finally:
             TRANSFERS = None
             thread._timed, engine.digest, kds._resolved_lists = real_timed, real_digest, real_resolved
             kds._Pending.digest_during = shipped_rule
             kds.prepare_states = shipped_prepare
+            sp.windows = True
         keys = sorted({k for s_ in samples for k in s_})
         return {k: summary([s_.get(k, 0.0) for s_ in samples]) for k in keys}
 
     results["over_link_last_chunk_breakdown"] = {
         m: over_link_breakdown(m)
-        for m in ("shipped", "no_prepare", "at_last_rank_only", "all_inline", "off")}
+        for m in ("shipped", "thread", "no_prepare", "at_last_rank_only", "all_inline", "off")}
 
     # Where a direct chunk call's time goes: DeviceDigest's own marks (host clock and an event on
     # its stream at each step), relative to the call's start.

@@ -91,6 +91,10 @@ WINDOW_MIN_BYTES = 1 << 20
 # A last chunk's transfer this long (0.34 ms at 50 GB/s) hides an engine call (~0.1-0.3 ms of
 # host and GPU time on an H200 host): the thread digests what is queued during it.
 EAGER_DIGEST_MIN_BYTES = 16 << 20
+# With Mooncake's asynchronous batch API, a worker's transfer at least this long is submitted,
+# the worker digests what its chunk queued while the bytes move, then waits for the transfer
+# (:func:`_transfer_in_window`): the same bound as above, for the same reason.
+WINDOW_DIGEST_MIN_BYTES_ENV = "SGLANG_DFLASH_KV_DIGEST_WINDOW_MIN_BYTES"
 
 
 class SendDigest:
@@ -105,6 +109,12 @@ class SendDigest:
         self._sums: Dict[Tuple[int, str], Tuple[tuple, np.ndarray]] = {}
         self.thread = DigestThread(f"kv-digest-{sender.describe()}")
         self.resolver = ListResolver()  # its joined tables are this rank's decodes'
+        # Whether the worker digests its chunk inside its own transfers (set at startup where
+        # the manager's Mooncake engine has the asynchronous batch API: ``transfer_windows``),
+        # and from which transfer size; else the digest thread does, during them.
+        self.windows = False
+        self.window_min_bytes = int(os.environ.get(WINDOW_DIGEST_MIN_BYTES_ENV,
+                                                   EAGER_DIGEST_MIN_BYTES))  # fmt: skip
 
     def add(self, room: int, session: str, tables, sums: np.ndarray) -> None:
         with self._lock:
@@ -201,6 +211,10 @@ class _Pending:
         # State sends prepared at the chunk's start (:func:`prepare_states`): sglang's lists as
         # tuples -> (blocks, signature), their sums in ``known``.
         self.prepared: Dict[Tuple, Tuple[Blocks, Tuple]] = {}
+        # With windows: the state send to prepare in the chunk's first window (the arguments
+        # of :func:`_prepare_states` after ``pending``), None once run or dropped.
+        self.prep: Optional[tuple] = None
+        self.windows = 0  # transfers this chunk digested in (:func:`_digest_window`)
         self._lock = threading.Lock()  # sglang's executor threads hand over here too
 
     def hand(self, manager, room: int, session: str, registration, what, written) -> None:
@@ -383,8 +397,11 @@ def prepare_states(manager, chunk, reqs) -> None:
     if digest is None or not states or pending is None or not pending.last or not reqs:
         return
     # ``reqs`` (:func:`_room_requests`) in the worker's order: the last one's state is the tail
-    digest.thread.submit(_prepare_states, pending, manager, int(chunk.room), states, reqs[-1],
-                         transfer_chunk.written())  # fmt: skip
+    prep = (manager, int(chunk.room), states, reqs[-1], transfer_chunk.written())
+    if digest.windows:  # the worker runs it in its chunk's first window
+        pending.prep = prep
+    else:
+        digest.thread.submit(_prepare_states, pending, *prep)
 
 
 def _prepare_states(pending: _Pending, manager, room: int, states, req, written) -> None:
@@ -471,8 +488,13 @@ def flush(manager) -> bool:
     digest = digest_of(manager)
     if digest is None:
         return True
-    _pending().digest()
-    if digest.thread.wait(_wait_bound_s()):
+    pending = _pending()
+    if digest.windows and not pending.inline:
+        pending.prep = None  # the state send went out: its lists are queued
+        _digest_window(pending)  # the tail, here: nothing hides it, and no hand-over to wait for
+    else:
+        pending.digest()
+    if digest.thread.idle or digest.thread.wait(_wait_bound_s()):  # earlier chunks' jobs
         return True
     error = RuntimeError(
         f"the digest thread did not finish this chunk's digest in {_wait_bound_s():g} s "
@@ -568,16 +590,20 @@ class scope:
         return False
 
 
-def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths) -> bool:
+def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths) -> Optional[int]:
     """What ``MooncakeTransferEngine.batch_transfer_sync`` is about to send: digested where a
     digest scope for ``session_id`` is open on this thread (sglang's descriptor lists, resolved
-    against the decode's buffers); a large transfer wakes the digest thread, as the GIL is free
-    while Mooncake moves the bytes. Runs where ``batch_transfer_sync`` starts; True: a send run
-    dry on the digest thread (:func:`prepare_states`), whose transfer must not happen."""
+    against the decode's buffers). Runs where ``batch_transfer_sync`` starts. None: sglang's own
+    synchronous transfer follows (a large one wakes the digest thread, as the GIL is free while
+    Mooncake moves the bytes). An int is the transfer's result, sglang's body skipped: 0 for a
+    send run dry on the digest thread (:func:`prepare_states`), whose transfer must not happen;
+    else the transfer moved with the worker's chunk digested in its window
+    (:func:`_transfer_in_window`)."""
     if captured_transfer(session_id, buffers, peer_buffer_addresses, lengths):
-        return True
+        return 0
     current = getattr(_scope, "value", None)
-    pending = current.pending if current is not None else getattr(_scope, "pending", None)
+    own = getattr(_scope, "pending", None)  # the chunk of this thread's worker, if it is one
+    pending = current.pending if current is not None else own
     handed_before = set(pending.handed) if pending is not None and pending.last else set()
     if (
         current is not None
@@ -588,7 +614,20 @@ def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths)
         current.add(buffers, peer_buffer_addresses, lengths)
     manager = current.manager if current is not None else transfer_chunk.chunk_manager()
     digest = digest_of(manager) if manager is not None else None
-    nbytes = sum(lengths) if digest is not None else 0
+    if digest is None:
+        return None
+    nbytes = sum(lengths)
+    if digest.windows:
+        if (
+            own is not None
+            and pending is own
+            and not own.inline
+            and nbytes >= digest.window_min_bytes
+            and (own.items or own.prep is not None)
+        ):
+            return _transfer_in_window(engine, own, session_id, buffers, peer_buffer_addresses,
+                                       lengths)  # fmt: skip
+        return None
     if nbytes >= WINDOW_MIN_BYTES:
         if (
             pending is not None
@@ -598,13 +637,71 @@ def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths)
             pending.handed.clear()  # what is queued, digested during this transfer
             pending.digest()
         digest.thread.wake()  # the GIL is free while Mooncake moves the bytes
-    return False
+    return None
+
+
+def transfer_windows(engine) -> bool:
+    """Whether sglang's ``MooncakeTransferEngine`` ``engine`` wraps a Mooncake engine with the
+    asynchronous batch API (submit, then a GIL-free wait for completion)."""
+    te = getattr(engine, "engine", None)
+    return callable(getattr(te, "batch_transfer_async_write", None)) and callable(
+        getattr(te, "get_batch_transfer_status", None)
+    )
+
+
+def _transfer_in_window(engine, pending: _Pending, session_id, buffers, peer_buffer_addresses,
+                        lengths) -> Optional[int]:  # fmt: skip
+    """One transfer of the worker's chunk, submitted to Mooncake asynchronously; while the bytes
+    move, the worker digests what its chunk queued so far (:func:`_digest_window`), then waits
+    for the transfer without the GIL. Its result is sglang's synchronous call's: 0 when every
+    descriptor arrived, negative when one failed. None where the submit failed: sglang's own
+    synchronous call follows (the same bytes to the same places; its error handling)."""
+    te = engine.engine
+    try:
+        batch = te.batch_transfer_async_write(session_id, buffers, peer_buffer_addresses, lengths)
+    except Exception as e:  # noqa: BLE001 - sglang's synchronous call runs and reports
+        logger.debug("KV digest: asynchronous submit to %s failed: %r", session_id, e)
+        batch = 0
+    if not batch:
+        return None
+    try:
+        _digest_window(pending)
+    finally:
+        try:
+            ret = int(te.get_batch_transfer_status([batch]))
+        except Exception as e:  # noqa: BLE001 - as sglang's call reports a raising engine
+            logger.debug("KV digest: transfer to %s failed: %r", session_id, e)
+            ret = -1
+    return ret
+
+
+def _digest_window(pending: _Pending) -> None:
+    """The worker's digest while its transfer moves, one engine call per window (each costs
+    ~0.1-0.3 ms of host and GPU time; two outlast a short window): everything queued, or, in the
+    chunk's second window, its state send prepared (what is queued waits for the next window).
+    Never raises into the transfer: a failure fails the chunk's rooms with its reason."""
+    manager = pending.manager
+    pending.windows += 1
+    try:
+        if pending.prep is not None and pending.windows > 1:
+            prep, pending.prep = pending.prep, None
+            manager = prep[0]
+            _prepare_states(pending, *prep)
+            return
+        _digest_pending(pending)
+    except Exception as e:  # noqa: BLE001 - its rooms fail; the transfer and the server go on
+        logger.exception("KV digest in a transfer's window failed")
+        room = transfer_chunk.room_of(manager) if manager is not None else None
+        for session in sorted(pending.seen) if room is not None else ():
+            _fail(manager, room, session, e)
 
 
 def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_addresses,
                                lengths, *args, **kwargs):  # fmt: skip
-    if digest_transfer(self, session_id, buffers, peer_buffer_addresses, lengths):
-        return 0  # a send run dry on the digest thread (prepare_states): nothing moves
+    done = None if args or kwargs else digest_transfer(self, session_id, buffers,
+                                                       peer_buffer_addresses, lengths)  # fmt: skip
+    if done is not None:
+        return done  # moved with the chunk's digest in its window, or a send run dry (0)
     return original(self, session_id, buffers, peer_buffer_addresses, lengths, *args, **kwargs)
 
 
@@ -820,13 +917,18 @@ def start_send_digest(queue) -> None:
     engine = DigestEngine(device)
     sender = Sender(int(manager.pp_rank), int(manager.attn_tp_rank),
                     int(manager._prefill_unique_rank()))  # fmt: skip
-    setattr(manager, _ENGINE_ATTR, SendDigest(engine, sender))
+    digest = SendDigest(engine, sender)
+    digest.windows = transfer_windows(getattr(manager, "engine", None))
+    setattr(manager, _ENGINE_ATTR, digest)
     queue.scheduler.kv_checksum_computer = None
     logger.info(
-        "KV checksum: composed digest on %s (%s); stock's same-layout digest is off on this "
-        "prefill, the decode verifies every layout",
+        "KV checksum: composed digest on %s (%s), %s; stock's same-layout digest is off on "
+        "this prefill, the decode verifies every layout",
         sender.describe(),
         engine.describe(),
+        f"digested by the worker inside its transfers of at least {digest.window_min_bytes} "
+        "bytes (Mooncake's asynchronous batch API)" if digest.windows else
+        "digested on a thread during the transfers (this Mooncake has no asynchronous batch API)",
     )
 
 
