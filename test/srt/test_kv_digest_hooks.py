@@ -581,3 +581,245 @@ def test_a_last_chunks_state_is_digested_from_its_start_and_only_what_is_sent_is
         key)  # fmt: skip
     assert sums == {(int(BufferKind.STATE), 0): int(want[1])}
     assert after_state == (0 if case == "sent as prepared" else 1)
+
+
+# -- the worker digesting inside its own transfers (Mooncake's asynchronous batch API) ----------
+
+
+class _RecordingMooncake:
+    """The real Mooncake engine of sglang's ``MooncakeTransferEngine``, its batch calls recorded
+    in ``order`` (and the submit's result replaced where ``submit_result`` is set); everything
+    else passes through."""
+
+    def __init__(self, real, order):
+        self._real, self.order, self.submit_result = real, order, None
+
+    def batch_transfer_async_write(self, *args):
+        self.order.append("submit")
+        batch = self._real.batch_transfer_async_write(*args)
+        return batch if self.submit_result is None else self.submit_result
+
+    def get_batch_transfer_status(self, batch_ids):
+        ret = self._real.get_batch_transfer_status(batch_ids)
+        self.order.append(("status", ret))
+        return ret
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@pytest.fixture(scope="module")
+def loopback():
+    """sglang's real ``MooncakeTransferEngine`` over TCP on 127.0.0.1, writing into its own
+    registered buffers (its session is the decode's here): a prefill rank's source KV and state
+    and a decode rank's KV and state buffers, as numpy arrays."""
+    import os
+
+    import numpy as np
+
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        MooncakeTransferEngine,
+    )
+
+    previous = os.environ.get("MC_FORCE_TCP")
+    os.environ["MC_FORCE_TCP"] = "1"
+    try:
+        engine = MooncakeTransferEngine("127.0.0.1")
+    finally:
+        if previous is None:
+            os.environ.pop("MC_FORCE_TCP")
+        else:
+            os.environ["MC_FORCE_TCP"] = previous
+    rng = np.random.default_rng(23)
+    bufs = types.SimpleNamespace(src=rng.integers(0, 256, 8192, dtype=np.uint8),
+                                 dst=np.zeros(8192, np.uint8),
+                                 state_src=rng.integers(0, 256, 1024, dtype=np.uint8),
+                                 state_dst=np.zeros(1024, np.uint8),
+                                 unregistered=np.zeros(1024, np.uint8))  # fmt: skip
+    registered = [bufs.src, bufs.dst, bufs.state_src, bufs.state_dst]
+    assert engine.batch_register([a.ctypes.data for a in registered], [a.nbytes for a in registered]) == 0
+    return engine, bufs
+
+
+def _window_manager(engine, bufs, failures, sent, calls, order, window_min_bytes=1024):
+    """A prefill rank's KV manager stand-in on the real engine (its Mooncake calls recorded),
+    with the digest on as ``start_send_digest`` sets it for that engine: one decode rank (the
+    engine's own session) holding ``bufs.dst`` as KV entry 0 (and ``bufs.unregistered``, which
+    Mooncake does not know, as entry 1) and ``bufs.state_dst`` as its state."""
+    from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
+
+    class Counting(DigestEngine):
+        def digest(self, blocks, keys, wait_events=()):
+            calls.append(blocks.total_bytes)
+            order.append(("digest", blocks.total_bytes))
+            return super().digest(blocks, keys, wait_events)
+
+    if not isinstance(engine.engine, _RecordingMooncake):
+        engine.engine = _RecordingMooncake(engine.engine, order)
+    engine.engine.order, engine.engine.submit_result = order, None
+    session = engine.session_id
+    regs = {session: types.SimpleNamespace(
+        dst_kv_ptrs=[bufs.dst.ctypes.data, bufs.unregistered.ctypes.data],
+        dst_state_data_ptrs=[[bufs.state_dst.ctypes.data]])}  # fmt: skip
+    digest = kv_digest_send.SendDigest(Counting("cpu"), Sender(1, 0, 2))
+    digest.windows = kv_digest_send.transfer_windows(engine)
+    digest.window_min_bytes = window_min_bytes
+    manager = types.SimpleNamespace(
+        engine=engine, decode_kv_args_table=regs, request_status={},
+        _dflash_kv_digest=digest,
+        _send_multipart_locked=lambda endpoint, frames, is_ipv6=False: sent.append(frames),
+        conclude_failure=lambda **kw: failures.append(kw))
+    manager.transfer_infos = {}
+    return session, regs, manager
+
+
+def _stock_sync():
+    """sglang's own ``batch_transfer_sync`` (its body, under whatever hook this process holds),
+    its calls counted."""
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        MooncakeTransferEngine,
+    )
+
+    body = getattr(MooncakeTransferEngine.batch_transfer_sync, "__wrapped__",
+                   MooncakeTransferEngine.batch_transfer_sync)  # fmt: skip
+    calls = []
+
+    def original(self, *args, **kwargs):
+        calls.append(args)
+        return body(self, *args, **kwargs)
+
+    return original, calls
+
+
+def test_with_mooncakes_async_api_the_worker_digests_a_last_chunk_inside_its_own_transfers(
+    loopback, caplog
+):
+    """Through sglang's real MooncakeTransferEngine over TCP: a room's last chunk, three target
+    KV transfers (two long: submitted asynchronously, the worker digesting what is queued before
+    it waits; one short: stock's synchronous call, and one long from an executor thread: stock's
+    too), then its state send. The state's dry run is the chunk's second window's work; every
+    other window digests what was queued, the state at the status makes no engine call. The
+    digest thread runs no job, every byte arrives, and the decode rank's sums are the sent
+    bytes'."""
+    import concurrent.futures
+    import logging
+
+    import numpy as np
+
+    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks, BufferKind, buffer_key
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import decode, digest_blocks_host
+
+    engine, b = loopback
+    b.dst[:], b.state_dst[:] = 0, 0
+    failures, sent, calls, order = [], [], [], []
+    session, regs, manager = _window_manager(engine, b, failures, sent, calls, order)
+    src, dst, state_src, state_dst = (a.ctypes.data for a in (b.src, b.dst, b.state_src, b.state_dst))
+    state_lists = ([state_src, state_src + 512], [state_dst, state_dst + 512], [256, 256])
+
+    def maybe_send_extra(req, states, executor, registration=None):  # sglang's state send
+        return kv_digest_send.batch_transfer_sync_around(original, engine, req.mooncake_session_id,
+                                                         *state_lists)  # fmt: skip
+
+    manager.maybe_send_extra = maybe_send_extra
+    req = types.SimpleNamespace(is_dummy=False, mooncake_session_id=session, room=7,
+                                required_dst_info_num=1, endpoint="127.0.0.1", dst_port=1)
+    manager.transfer_infos = {7: {session: req}}
+    manager.request_status[7] = KVPoll.Transferring
+    original, stock_calls = _stock_sync()
+    thread = manager._dflash_kv_digest.thread
+    submitted = []
+    thread.submit = lambda fn, *a: submitted.append(fn)
+    # (src offset, dst offset, bytes); the last one from an executor thread
+    kv = [(0, 0, 2048), (2048, 2048, 2048), (4096, 4096, 512), (4608, 4608, 2048)]
+    results = []
+    caplog.set_level(logging.INFO, logger=kv_digest_send.__name__)
+    mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(
+        room=7, wait_event=None, is_last_chunk=True, state_indices=[[0]]))  # fmt: skip
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            with kv_digest_send.scope(manager, session, pool) as scoped:
+                for s, d, n in kv[:3]:
+                    results.append(kv_digest_send.batch_transfer_sync_around(
+                        original, engine, session, [src + s], [dst + d], [n]))
+                s, d, n = kv[3]
+                results.append(scoped.submit(kv_digest_send.batch_transfer_sync_around, original,
+                                             engine, session, [src + s], [dst + d], [n]).result())
+        with kv_digest_send.state_scope(manager, req, None):
+            results.append(maybe_send_extra(req, [[0]], None))
+        kv_digest_send.send_aux_around(lambda *a, **k: order.append("aux"), manager, req)
+    finally:
+        mooncake_draft_kv.end_chunk()
+        del thread.submit
+    assert results == [0] * 5 and failures == [] and submitted == []
+    assert (b.dst[:6656] == b.src[:6656]).all() and (b.state_dst[:256] == b.state_src[:256]).all()
+    assert (b.state_dst[512:768] == b.state_src[512:768]).all()
+    # stock's synchronous call: the short transfer, the executor thread's, the state (short)
+    assert [a[2][0] - dst for a in stock_calls[:2]] == [4096, 4608] and len(stock_calls) == 3
+    # window 1 digests its own 2048 bytes; window 2 runs the state's send dry (512 bytes
+    # digested, nothing moved); the status digests the rest in one call (the state: known)
+    assert order == ["submit", ("digest", 2048), ("status", 0),
+                     "submit", ("digest", 512), ("status", 0),
+                     ("digest", 2048 + 512 + 2048), "aux"]  # fmt: skip
+    assert "the transfer worker digests inside its transfers" in caplog.text
+    keys = [buffer_key(BufferKind.KV, 0), buffer_key(BufferKind.KV, 1), buffer_key(BufferKind.STATE, 0)]
+    want = digest_blocks_host(Blocks.concat(
+        [Blocks.of([src + s], [d], n, 0) for s, d, n in kv]
+        + [Blocks.of([state_src + o], [o], 256, 2) for o in (0, 512)]), keys)  # fmt: skip
+    assert len(sent) == 1
+    assert decode(sent[0]).sums == {(int(BufferKind.KV), 0): int(want[0]),
+                                    (int(BufferKind.STATE), 0): int(want[2])}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["transfer fails", "submit fails", "digest raises"])
+def test_a_transfer_with_the_digest_in_its_window_fails_as_stocks_would(loopback, case):
+    """A window transfer whose descriptor Mooncake rejects returns what stock's synchronous call
+    returns for the same descriptors (sglang fails the room as it would); one Mooncake would not
+    take goes through stock's call; a digest that raises in the window fails the room with its
+    reason, and the transfer still completes."""
+    import numpy as np
+
+    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
+
+    engine, b = loopback
+    b.dst[:] = 0
+    failures, sent, calls, order = [], [], [], []
+    session, regs, manager = _window_manager(engine, b, failures, sent, calls, order)
+    src, dst, bad = b.src.ctypes.data, b.dst.ctypes.data, b.unregistered.ctypes.data
+    original, stock_calls = _stock_sync()
+    lists = ([src], [bad if case == "transfer fails" else dst], [2048])
+    if case == "submit fails":
+        engine.engine.submit_result = 0
+    if case == "digest raises":
+        manager._dflash_kv_digest.engine.digest = lambda *a, **k: (_ for _ in ()).throw(
+            RuntimeError("the digest kernel failed"))
+    manager.request_status[9] = KVPoll.Transferring
+    mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(room=9, wait_event=None,
+                                                                 is_last_chunk=False))  # fmt: skip
+    try:
+        with kv_digest_send.scope(manager, session, None):
+            ret = kv_digest_send.batch_transfer_sync_around(original, engine, session, *lists)
+    finally:
+        mooncake_draft_kv.end_chunk()
+        engine.engine.submit_result = None
+    if case == "transfer fails":
+        assert ret < 0 and ret == original(engine, session, *lists)
+        assert order[0] == "submit" and order[-1] == ("status", ret) and failures == []
+    elif case == "submit fails":
+        assert ret == 0 and len(stock_calls) == 1 and order == ["submit"]
+        assert (b.dst[:2048] == b.src[:2048]).all() and failures == []
+    else:
+        assert ret == 0 and stock_calls == [] and (b.dst[:2048] == b.src[:2048]).all()
+        assert [f["bootstrap_room"] for f in failures] == [9]
+        assert "the digest kernel failed" in failures[0]["failure_reason"]
+
+
+def test_an_engine_without_the_async_api_keeps_the_digest_thread():
+    """``start_send_digest``'s choice: the worker digests in its transfers only where the
+    Mooncake engine has both asynchronous batch calls."""
+    full = types.SimpleNamespace(batch_transfer_async_write=lambda *a: 1,
+                                 get_batch_transfer_status=lambda ids: 0)  # fmt: skip
+    half = types.SimpleNamespace(batch_transfer_async_write=lambda *a: 1)
+    assert kv_digest_send.transfer_windows(types.SimpleNamespace(engine=full))
+    assert not kv_digest_send.transfer_windows(types.SimpleNamespace(engine=half))
+    assert not kv_digest_send.transfer_windows(object())

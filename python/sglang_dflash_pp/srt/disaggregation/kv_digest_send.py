@@ -115,6 +115,7 @@ class SendDigest:
         self.windows = False
         self.window_min_bytes = int(os.environ.get(WINDOW_DIGEST_MIN_BYTES_ENV,
                                                    EAGER_DIGEST_MIN_BYTES))  # fmt: skip
+        self.windows_used = 0  # transfers the worker digested in (logged at the first)
 
     def add(self, room: int, session: str, tables, sums: np.ndarray) -> None:
         with self._lock:
@@ -664,6 +665,12 @@ def _transfer_in_window(engine, pending: _Pending, session_id, buffers, peer_buf
         batch = 0
     if not batch:
         return None
+    digest = digest_of(pending.manager) if pending.manager is not None else None
+    if digest is not None and not digest.windows_used:
+        logger.info("KV checksum: the transfer worker digests inside its transfers (the first: "
+                    "%d bytes to %s)", sum(lengths), session_id)  # fmt: skip
+    if digest is not None:
+        digest.windows_used += 1
     try:
         _digest_window(pending)
     finally:

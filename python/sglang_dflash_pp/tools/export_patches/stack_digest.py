@@ -59,10 +59,13 @@ rank, the rank's sums go to every decode rank of the room as one small ZMQ messa
 the transfer status follows (:func:`send_digest_sums`), so a decode that sees the room complete
 holds every sender's contribution. The decode side is ``kv_digest_verify``.
 
-Where the work runs: on a digest thread per KV manager (``kv_digest_thread``), while Mooncake
-moves the bytes (its transfers release the GIL); the send path only hands it the descriptor
-lists and the draft's page lists, and the thread resolves all that is queued in one pass and
-digests it in one engine call. A middle chunk is digested after it, during the next chunk. A
+Where the work runs: with Mooncake's asynchronous batch API, on the transfer worker itself,
+inside its own transfers (``batch_transfer_sync`` submits a long one, the worker digests what its
+chunk queued while the bytes move, then waits: :func:`digest_transfer`), so no other thread
+competes with it for the GIL; the tail at the room's status. Without that API, on a digest
+thread per KV manager (``kv_digest_thread``), while Mooncake moves the bytes (its transfers
+release the GIL); the send path only hands it the descriptor lists and the draft's page lists,
+and the thread resolves all that is queued in one pass and digests it in one engine call. A middle chunk is digested after it, during the next chunk. A
 room's last chunk must be read before the room's status (the prefill frees the request's pages
 once the status is out): its work is cut where its own long transfers hide it, and its state
 sends, known from its start, are run dry on the digest thread then (:func:`prepare_states`:
@@ -142,8 +145,9 @@ PR_16 = PR(
             "MooncakeTransferEngine.batch_transfer_sync",
             at="start",
             code="""
-            if digest_transfer(self, session_id, buffers, peer_buffer_addresses, lengths):
-                return 0  # a state send run dry on the digest thread: its descriptors kept
+            moved = digest_transfer(self, session_id, buffers, peer_buffer_addresses, lengths)
+            if moved is not None:  # moved with the chunk's digest in its window, or run dry (0)
+                return moved
             """,
         ),
         AddImport(
