@@ -20,6 +20,11 @@ CHECKSUM = "--disaggregation-enable-kv-checksum"
 # would keep the decode out), no background health checks.
 ROUTER_ARGS = ("--disable-retries", "--disable-circuit-breaker", "--disable-health-check")
 DIGEST_TIMEOUT_S = 3.0  # SGLANG_DFLASH_KV_DIGEST_TIMEOUT_S on the test decodes
+# On a prefill: the worker digests inside its transfers from the first byte (Mooncake's
+# asynchronous batch API; the CPU servers' transfers are far below the default 16 MiB), so
+# that path runs through real servers too; a prefill without it keeps the digest thread.
+WINDOWS_ENV = {"SGLANG_DFLASH_KV_DIGEST_WINDOW_MIN_BYTES": "1"}
+WINDOWS_STARTED = "KV checksum: the transfer worker digests inside its transfers"
 BUFFER_WORDS = {"target": "target KV entry", "draft": "draft KV entry", "state": "state component"}
 
 

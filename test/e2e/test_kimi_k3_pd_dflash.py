@@ -28,7 +28,14 @@ import e2e_models as models
 from deployments import Deployment
 from deployment_args import DECODE_ARGS, prefill_args
 from draft_kv_dumps import read_dumps
-from kv_digest_outcomes import ROUTER_ARGS, CHECKSUM, assert_corruption_detected, read_outcomes
+from kv_digest_outcomes import (
+    CHECKSUM,
+    ROUTER_ARGS,
+    WINDOWS_ENV,
+    WINDOWS_STARTED,
+    assert_corruption_detected,
+    read_outcomes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +78,8 @@ def k3(e2e_root, stub_root):
     try:
         launch("A", [])
         launch("P1", prefill_args(boot1) + [CHECKSUM], pd=True)
-        launch("P2", prefill_args(boot2) + [CHECKSUM, "--pp-size", "2"], pd=True, ranks=2)
+        launch("P2", prefill_args(boot2) + [CHECKSUM, "--pp-size", "2"], pd=True, ranks=2,
+               env=WINDOWS_ENV)  # the digest inside the transfers; P1's on its thread
         launch("D", DECODE_ARGS + [CHECKSUM], pd=True,
                env={"SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": dump,
                     "SGLANG_DFLASH_PP_TEST_KV_DIGEST_DIR": digest})
@@ -143,6 +151,10 @@ def test_k3_every_pd_request_is_verified_with_its_state(k3):
     assert all(r["outcome"] == "verified" for r in rows), rows
     assert {r["rid"] for r in rows} >= sent
     assert "admitted unverified" not in k3["dep"]["D"].log_text()
+    # P2's stages digested inside their transfers (the state's dry run in a window too), P1's
+    # on the digest thread: both verified
+    assert k3["dep"]["P2"].log_text().count(WINDOWS_STARTED) == 2
+    assert WINDOWS_STARTED not in k3["dep"]["P1"].log_text()
 
 
 @pytest.mark.parametrize("kind", ["state", "target"])

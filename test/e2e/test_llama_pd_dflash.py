@@ -42,6 +42,8 @@ from deployments import Deployment
 from deployment_args import CHUNK, DECODE_ARGS, prefill_args, server_args
 from draft_kv_dumps import fp32_draft_kv_tolerance, read_dumps
 from kv_digest_outcomes import (
+    WINDOWS_ENV,
+    WINDOWS_STARTED,
     CHECKSUM,
     DIGEST_TIMEOUT_S,
     ROUTER_ARGS,
@@ -108,7 +110,8 @@ def deployments(llama):
                     "SGLANG_DFLASH_PP_TEST_FAULT_DIR": m["faults"]})
         launch("P3", server_args(m["draft"], *prefill_args(boot3), CHECKSUM, "--pp-size", "2",
                                  "--tp-size", "2"), pd=True, ranks=4,
-               env={"SGLANG_DFLASH_PP_TEST_COLLECTIVE_LOG": m["collectives"]["P3"]})
+               env={"SGLANG_DFLASH_PP_TEST_COLLECTIVE_LOG": m["collectives"]["P3"],
+                    **WINDOWS_ENV})  # the digest inside the transfers; P1's and P2's on a thread
         launch("D1", server_args(m["draft"], *DECODE_ARGS, CHECKSUM), pd=True, env=decode_env)
         launch("D2", server_args(m["draft"], *DECODE_ARGS, CHECKSUM, "--tp-size", "2"), pd=True,
                ranks=2, env=decode_env)
@@ -276,6 +279,9 @@ def test_every_pd_request_is_verified_by_the_composed_digest(llama, deployments,
     assert all(verified[f"d-seq-{i}"] == {0, 1} for i in range(len(PROMPTS)))
     for name in ("D1", "D2"):
         assert "admitted unverified" not in deployments[name].log_text()
+    # P3's four ranks digested inside their transfers, P1's and P2's on the digest thread
+    assert deployments["P3"].log_text().count(WINDOWS_STARTED) == 4
+    assert all(WINDOWS_STARTED not in deployments[n].log_text() for n in ("P1", "P2"))
     print(f"KV digest: {len(sent)} PD requests verified, {len(rows)} decode-rank verifications")
 
 
