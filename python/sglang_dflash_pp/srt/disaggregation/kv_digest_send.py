@@ -9,7 +9,12 @@ sums go to the decode as one small ZMQ message on the socket the transfer status
 decode that sees the room complete holds every sender's contribution. The decode side is
 ``kv_digest_verify``.
 
-Where the work runs (one :class:`_Pending` per chunk, made by :func:`begin_chunk`): on a thread
+Where the work runs (one :class:`_Pending` per chunk, made by :func:`begin_chunk`). Where the
+Mooncake engine has the asynchronous batch API (:func:`transfer_windows`, decided at startup): on
+the transfer worker itself, inside its own long transfers (:func:`_transfer_in_window`: the
+transfer submitted, what the chunk queued digested while the bytes move, one engine call per
+window, then a GIL-free wait), the tail at the room's status (:func:`flush`), so no thread of
+ours competes with the worker for the GIL. Without that API, the schedule below: on a thread
 of its own (``kv_digest_thread``), while Mooncake moves bytes (its transfers release the GIL).
 The send hooks only hand it references: sglang's descriptor lists and the draft's page lists.
 The thread resolves everything queued in one pass (``kv_digest.ListResolver``: a few numpy
@@ -212,7 +217,7 @@ class _Pending:
         # State sends prepared at the chunk's start (:func:`prepare_states`): sglang's lists as
         # tuples -> (blocks, signature), their sums in ``known``.
         self.prepared: Dict[Tuple, Tuple[Blocks, Tuple]] = {}
-        # With windows: the state send to prepare in the chunk's first window (the arguments
+        # With windows: the state send to prepare in the chunk's second window (the arguments
         # of :func:`_prepare_states` after ``pending``), None once run or dropped.
         self.prep: Optional[tuple] = None
         self.windows = 0  # transfers this chunk digested in (:func:`_digest_window`)
@@ -399,7 +404,7 @@ def prepare_states(manager, chunk, reqs) -> None:
         return
     # ``reqs`` (:func:`_room_requests`) in the worker's order: the last one's state is the tail
     prep = (manager, int(chunk.room), states, reqs[-1], transfer_chunk.written())
-    if digest.windows:  # the worker runs it in its chunk's first window
+    if digest.windows:  # the worker runs it in its chunk's second window (_digest_window)
         pending.prep = prep
     else:
         digest.thread.submit(_prepare_states, pending, *prep)
