@@ -12,7 +12,11 @@ digest on, then the same sends with it off), with ``time.perf_counter``:
   GIL taken back (``kv_digest_cost._over_link``'s record);
 * each job of the digest thread (``DigestThread._timed``: its kind, start, end) and each engine
   call inside it (``DigestEngine.digest``);
-* the status's wait (``flush``).
+* the status's wait (``flush``);
+* with Mooncake's asynchronous batch API (the shipped schedule), each window the worker digests
+  in (``kv_digest_send._digest_window``), with its resolving of the queued sends
+  (``_signed_parts``) and its engine calls: a window that outlasts the time its transfer had
+  left returns that transfer late.
 
 A transfer is *late* by (return - start - asked); it ended *in a job* when a digest job was
 running when its time was up. The worker's stretches outside transfers are split by whether a
@@ -46,13 +50,30 @@ def _overlap(spans, a, b):
     return sum(max(0.0, min(b, e) - max(a, s)) for _, s, e in spans)
 
 
-def one_chunk(sp, room, event, on):
-    """One last chunk over the link: its transfers, the thread's jobs and engine calls, the
-    flush; times relative to the chunk's start."""
+def one_chunk(sp, room, event, on, last=True):
+    """One chunk over the link (a room's last, or a middle one): its transfers, the thread's
+    jobs, the worker's windows, the resolving of queued sends and the engine calls, the flush;
+    times relative to the chunk's start."""
     thread = sp.manager._dflash_kv_digest.thread
     engine = sp.engine
-    jobs, calls = [], []
+    kds = sp.kds
+    jobs, calls, windows, resolves = [], [], [], []
     real_timed, real_digest = thread._timed, engine.digest
+    real_window, real_signed = kds._digest_window, kds._signed_parts
+
+    def window(pending):
+        t0 = time.perf_counter()
+        try:
+            return real_window(pending)
+        finally:
+            windows.append(("window", t0, time.perf_counter()))
+
+    def signed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return real_signed(*a, **k)
+        finally:
+            resolves.append(("resolve", t0, time.perf_counter()))
 
     def timed(fn, *a):
         t0 = time.perf_counter()
@@ -69,10 +90,11 @@ def one_chunk(sp, room, event, on):
             calls.append(("engine", t0, time.perf_counter()))
 
     thread._timed, engine.digest = timed, digest
+    kds._digest_window, kds._signed_parts = window, signed
     cost.TRANSFERS = []
     try:
         t0 = time.perf_counter()
-        t_flush = sp.chunk(room, event, True, link_bps=cost.LINK_BPS, digest=on)
+        t_flush = sp.chunk(room, event, last, link_bps=cost.LINK_BPS, digest=on)
         t1 = time.perf_counter()
         moved = cost.TRANSFERS
         cost.TRANSFERS = None
@@ -80,11 +102,39 @@ def one_chunk(sp, room, event, on):
     finally:
         cost.TRANSFERS = None
         thread._timed, engine.digest = real_timed, real_digest
+        kds._digest_window, kds._signed_parts = real_window, real_signed
     if on:
         sp.pop(room)
     rel = lambda spans: [(n, a - t0, b - t0) for n, a, b in spans]  # noqa: E731
     return dict(wall=t1 - t0, flush_at=t_flush - t0, transfers=[(w, a - t0, b - t0) for w, a, b in moved],
-                jobs=rel(jobs), engine_calls=rel(calls))  # fmt: skip
+                jobs=rel(jobs), engine_calls=rel(calls), windows=rel(windows),
+                resolves=rel(resolves))  # fmt: skip
+
+
+def window_split(c):
+    """The worker's windows of a chunk against the transfers they ran in (seconds): how many,
+    their time, its resolving and engine calls, and by how much they outlasted the time their
+    transfer had left (the tail's window, at the status, has no transfer: ``tail_window``)."""
+    n = busy = over = tail = 0.0
+    n_over = 0
+    inside = lambda spans, a, b: sum(max(0.0, min(b, e) - max(a, s)) for _, s, e in spans)  # noqa: E731
+    resolve = engine = 0.0
+    for _, a, b in c.get("windows", ()):
+        resolve += inside(c.get("resolves", ()), a, b)
+        engine += inside(c["engine_calls"], a, b)
+        hosting = [(w, s) for w, s, e in c["transfers"] if s <= a < e]
+        if not hosting:
+            tail += b - a
+            continue
+        n += 1
+        busy += b - a
+        want, s = hosting[0]
+        lag = (b - a) - (s + want - a)
+        if lag > 0:
+            over += lag
+            n_over += 1
+    return dict(windows=n, window_busy=busy, window_resolve=resolve, window_engine=engine,
+                window_overrun=over, windows_overrun=n_over, tail_window=tail)  # fmt: skip
 
 
 def analyse(c):
@@ -114,7 +164,7 @@ def analyse(c):
                 transfers_ending_in_a_job=n_in_job, late_in_a_job=late_in_job, late_otherwise=late_idle,
                 outside_while_a_job_ran=outside_in_job, outside_otherwise=outside_idle,
                 thread_jobs=len(jobs), thread_busy=sum(e - s for _, s, e in jobs),
-                engine_calls=len(c["engine_calls"]),
+                engine_calls=len(c["engine_calls"]), **window_split(c),
                 **{f"late_in_{k}": v for k, v in by_kind.items()})  # fmt: skip
 
 
@@ -196,35 +246,48 @@ def main():
         return cost.l2_flush_event(torch, forward, flush_buf) if on_gpu else None
 
     rooms = iter(range(10_000, 10_000_000))
-    out = {True: [], False: []}
-    kept = []
-    for i in range(args.warmup + args.reps):
-        for on in (True, False) if i % 2 else (False, True):
-            c = one_chunk(sp, next(rooms), kv_written(), on)
-            if i >= args.warmup:
-                out[on].append(analyse(c))
-                if on and len(kept) < KEPT_TIMELINES:
-                    kept.append(c)
-    summary = {}
-    for on, rows in out.items():
-        keys = sorted({k for r in rows for k in r})
-        summary["digest_on" if on else "digest_off"] = {
-            k: provenance.summary([r.get(k, 0.0) for r in rows]) | {"samples": [r.get(k, 0.0) for r in rows]}
-            for k in keys}  # fmt: skip
+
+    def timelines(last):
+        """Samples of one chunk kind, digest on and off alternating: (summary, kept timelines)."""
+        out = {True: [], False: []}
+        kept = []
+        for i in range(args.warmup + args.reps):
+            for on in (True, False) if i % 2 else (False, True):
+                c = one_chunk(sp, next(rooms), kv_written(), on, last)
+                if not last:
+                    sp.drain()  # a middle chunk's leftovers, off its timeline's clock
+                if i >= args.warmup:
+                    out[on].append(analyse(c))
+                    if on and len(kept) < KEPT_TIMELINES:
+                        kept.append(c)
+        summary = {}
+        for on, rows in out.items():
+            keys = sorted({k for r in rows for k in r})
+            summary["digest_on" if on else "digest_off"] = {
+                k: provenance.summary([r.get(k, 0.0) for r in rows]) | {"samples": [r.get(k, 0.0) for r in rows]}
+                for k in keys}  # fmt: skip
+        return summary, kept
+
+    summary, kept = timelines(True)
+    middle, middle_kept = timelines(False)
     result = dict(
         provenance=provenance.record(
             repetitions=args.reps, warmup=args.warmup, timed_sources=cost.TIMED,
-            timed="kv_digest_cost.SendPath.chunk (the shipped send path of a last chunk, 8 decode "
-                  "ranks, over a 50 GB/s link emulated by a GIL-releasing sleep), digest on and off "
-                  "alternating; DigestThread._timed and DigestEngine.digest wrapped to time-stamp "
-                  "the thread's jobs and engine calls"),
-        summary=summary, timelines=kept)  # fmt: skip
+            timed="kv_digest_cost.SendPath.chunk (the shipped send path of a last chunk, then of a "
+                  "middle chunk, 8 decode ranks, over a 50 GB/s link emulated by a GIL-releasing "
+                  "sleep), digest on and off alternating; DigestThread._timed, DigestEngine.digest, "
+                  "kv_digest_send._digest_window and _signed_parts wrapped to time-stamp the "
+                  "thread's jobs, the engine calls, the worker's windows and their resolving"),
+        summary=summary, timelines=kept,
+        middle=dict(summary=middle, timelines=middle_kept))  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    for name, s in summary.items():
-        print(name, {k: round(v["median"] * 1e6) if isinstance(v, dict) and k not in (
-            "transfers", "transfers_ending_in_a_job", "thread_jobs", "engine_calls") else v["median"]
-            for k, v in s.items()})
+    counts = ("transfers", "transfers_ending_in_a_job", "thread_jobs", "engine_calls", "windows",
+              "windows_overrun")
+    for chunk, summ in (("last", summary), ("middle", middle)):
+        for name, s in summ.items():
+            print(chunk, name, {k: round(v["median"] * 1e6) if k not in counts else v["median"]
+                                for k, v in s.items()})
 
 
 if __name__ == "__main__":
