@@ -109,6 +109,9 @@ from types import SimpleNamespace
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import link_wait  # noqa: E402
 
 _D = "python/sglang_dflash_pp/srt/disaggregation/"
 TIMED = [_D + f for f in (
@@ -389,24 +392,27 @@ def _moved(engine, session_id, buffers, peer_buffer_addresses, lengths, *args, *
 
 
 TRANSFERS = None  # a list: each emulated transfer's (requested s, start, end) is appended
+# How an emulated transfer waits out its time, the GIL released (``link_wait``): asleep (every
+# run before 2026-12-03), or spinning on its core as Mooncake's polling wait does (variants
+# ``*_spin``). Switched per variant.
+WAIT_UNTIL = link_wait.sleep_until
+WAITS = {"sleep": link_wait.sleep_until, "spin": link_wait.spin_until}
 
 
 def _over_link(nbytes, link_bps):
     """The time Mooncake's ``batch_transfer_sync`` holds the worker for ``nbytes`` at the
-    link's rate, with the GIL released as Mooncake releases it (``time.sleep``)."""
-    if TRANSFERS is None:
-        time.sleep(nbytes / link_bps)
-        return
+    link's rate, with the GIL released as Mooncake releases it (``WAIT_UNTIL``)."""
     t0 = time.perf_counter()
-    time.sleep(nbytes / link_bps)
-    TRANSFERS.append((nbytes / link_bps, t0, time.perf_counter()))  # end: the GIL taken back
+    WAIT_UNTIL(t0 + nbytes / link_bps)
+    if TRANSFERS is not None:
+        TRANSFERS.append((nbytes / link_bps, t0, time.perf_counter()))  # end: the GIL taken back
 
 
 class EmulatedLink:
     """Mooncake's ``TransferEngine`` asynchronous batch API (what ``kv_digest_send`` submits a
     worker's transfer to when it digests in the transfer's window) over the emulated link: the
     submit starts the bytes' time at ``bps``, the status waits, the GIL released
-    (``time.sleep``), for what is left of it; each transfer recorded as ``_over_link`` records
+    (``WAIT_UNTIL``), for what is left of it; each transfer recorded as ``_over_link`` records
     it. ``bps`` None: the bytes take no time."""
 
     def __init__(self):
@@ -422,12 +428,16 @@ class EmulatedLink:
     def get_batch_transfer_status(self, batch_ids):
         for i in batch_ids:
             t0, want = self._due.pop(i)
-            left = t0 + want - time.perf_counter()
-            if left > 0:
-                time.sleep(left)
+            WAIT_UNTIL(t0 + want)
             if TRANSFERS is not None:
                 TRANSFERS.append((want, t0, time.perf_counter()))
         return 0
+
+
+def _wait_of(mode: str) -> str:
+    """The suffix of the digest-off variant a variant is compared with: the one whose emulated
+    transfers wait the same way (``_spin``: on their core)."""
+    return "_spin" if mode.endswith("_spin") else ""
 
 
 def _link_parts(moved, t0, t_flush, t1) -> dict:
@@ -884,11 +894,16 @@ def run(args):
              "_at_last_rank_only": dict(inline=False, digest_during=at_last_rank_only, prepare=False),
              # a what-if, not shipped: the interpreter hands the GIL to a waiting thread after
              # 0.5 ms instead of 5 (does the worker wait out whole switch intervals?)
-             "_switch_interval": dict(inline=False, switch_interval=SWITCH_INTERVAL_WHAT_IF_S)}  # fmt: skip
+             "_switch_interval": dict(inline=False, switch_interval=SWITCH_INTERVAL_WHAT_IF_S),
+             # the same two schedules, each transfer waiting on its core as Mooncake's polling
+             # wait does (``link_wait.spin_until``), against the digest off waiting so too
+             **({"_spin": dict(inline=False, windows=True, wait="spin"),
+                 "_thread_spin": dict(inline=False, wait="spin")} if link_wait.spin_until else {})}  # fmt: skip
     mode_chunks = {"": ("middle", "last"), "_thread": ("middle", "last"),
                    "_all_inline": ("middle", "last"), "_no_eager": ("last",),
                    "_no_prepare": ("last",), "_at_last_rank_only": ("last",),
-                   "_switch_interval": ("last",)}  # fmt: skip
+                   "_switch_interval": ("last",), "_spin": ("middle", "last"),
+                   "_thread_spin": ("middle", "last")}  # fmt: skip
     shipped_prepare = kds.prepare_states
     thread_use.update({f"{w}{m}": dict(lag=[], busy=[]) for m in modes for w in mode_chunks[m]})
     # Each over-link sample's wall split as the breakdown pass splits it (``_link_parts``), in
@@ -907,8 +922,9 @@ def run(args):
             switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(modes[mode].get("switch_interval", switch_interval))
             sp.windows = modes[mode].get("windows", False)
-            global TRANSFERS
+            global TRANSFERS, WAIT_UNTIL
             TRANSFERS = []
+            WAIT_UNTIL = WAITS[modes[mode].get("wait", "sleep")]
             try:
                 t0 = time.perf_counter()
                 t_flush = sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on,
@@ -918,6 +934,7 @@ def run(args):
                 return t_flush
             finally:
                 TRANSFERS = None
+                WAIT_UNTIL = link_wait.sleep_until
                 sp.windows = True
                 sys.setswitchinterval(switch_interval)
                 kds.EAGER_DIGEST_MIN_BYTES = shipped_eager
@@ -937,13 +954,15 @@ def run(args):
     # A whole request over the link: REQUEST_CHUNKS - 1 middle chunks then the last, one room,
     # back to back (a middle chunk's digest still running on the thread while the next is sent,
     # as in serving); digest on (shipped), every chunk inline, and off.
-    def request(on, inline=False, prepare=True, windows=True):
+    def request(on, inline=False, prepare=True, windows=True, wait="sleep"):
         def fn(e):
+            global WAIT_UNTIL
             room["now"] = next(sp.rooms)
             room["busy0"] = sp.manager._dflash_kv_digest.thread.busy_s
             if not prepare:
                 kds.prepare_states = no_prepare
             sp.windows = windows
+            WAIT_UNTIL = WAITS[wait]
             try:
                 for i in range(REQUEST_CHUNKS):
                     last = i == REQUEST_CHUNKS - 1
@@ -951,6 +970,7 @@ def run(args):
             finally:
                 kds.prepare_states = shipped_prepare
                 sp.windows = True
+                WAIT_UNTIL = link_wait.sleep_until
         return fn
 
     def request_after():
@@ -967,6 +987,15 @@ def run(args):
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_no_prepare": (
             request(True, prepare=False, windows=False), sp.stream, request_after),
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off": (request(False), sp.stream, None),
+        **({f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_spin": (
+                request(True, wait="spin"), sp.stream, request_after),
+            f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_thread_spin": (
+                request(True, windows=False, wait="spin"), sp.stream, request_after),
+            f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off_spin": (
+                request(False, wait="spin"), sp.stream, None),
+            "over_link_middle_chunk_digest_off_spin": (over_link(False, False, "_spin"), sp.stream, None),
+            "over_link_last_chunk_digest_off_spin": (over_link(True, False, "_spin"), sp.stream, None),
+            } if link_wait.spin_until else {}),
         **{f"over_link_{w}_chunk_digest_on{m}": (over_link(w == "last", True, m), sp.stream,
                                                  drained(w == "last", m))
            for m in modes for w in mode_chunks[m]},
@@ -992,8 +1021,10 @@ def run(args):
     })  # fmt: skip
     direct = dig._direct
     link_request = (REQUEST_CHUNKS - 1) * link_mid + link_last
-    off = results[f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off"]["wall_s"]
-    for mode in ("", "_thread", "_all_inline", "_no_prepare"):
+    for mode in ("", "_thread", "_all_inline", "_no_prepare", "_spin", "_thread_spin"):
+        if f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on{mode}" not in results:
+            continue
+        off = results[f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off{_wait_of(mode)}"]["wall_s"]
         on = results[f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on{mode}"]["wall_s"]
         results[f"over_link_request_{REQUEST_CHUNKS}_chunks_exposed{mode}"] = dict(
             chunks=REQUEST_CHUNKS, exposed_s=on["median"] - off["median"],
@@ -1003,13 +1034,14 @@ def run(args):
         if f"over_link_{which}_chunk_digest_on{mode}" not in results:
             continue
         on = results[f"over_link_{which}_chunk_digest_on{mode}"]["wall_s"]
-        off = results[f"over_link_{which}_chunk_digest_off"]["wall_s"]
+        off = results[f"over_link_{which}_chunk_digest_off{_wait_of(mode)}"]["wall_s"]
         use = thread_use[which + mode]
         n = min(len(use["busy"]), len(use["lag"]))
         busy = use["busy"][-args.reps:] if n >= args.reps else use["busy"]
         lag = use["lag"][-args.reps:] if n >= args.reps else use["lag"]
         results[f"over_link_{which}_chunk_exposed{mode}"] = dict(
             inline=modes[mode]["inline"], windows=modes[mode].get("windows", False),
+            link_wait=modes[mode].get("wait", "sleep"),
             eager_digest_min_bytes=(modes[mode].get("eager_min_bytes", kds.EAGER_DIGEST_MIN_BYTES)
                                     if which == "last" else None),  # fmt: skip
             exposed_s=on["median"] - off["median"],
@@ -1019,7 +1051,7 @@ def run(args):
             thread_busy_s=summary(busy), thread_busy_over_link_time=statistics.median(busy) / link,
             thread_lag_after_chunk_s=summary(lag),
             wall_parts_on=_parts_summary(link_parts[(which + mode, True)], args.reps),
-            wall_parts_off=_parts_summary(link_parts[(which, False)], args.reps),
+            wall_parts_off=_parts_summary(link_parts[(which + _wait_of(mode), False)], args.reps),
         )  # fmt: skip
 
     # The digest thread's engine calls per chunk (DigestEngine.digest: it digests whenever it runs
@@ -1380,7 +1412,9 @@ def run(args):
         provenance=provenance.record(
             repetitions=args.reps, warmup=args.warmup, timed_sources=TIMED,
             timed=("over_link_*: the shipped send path with each transfer taking its bytes' time at "
-                   "50 GB/s (time.sleep, the GIL released), digest on against off, the digest thread "
+                   "50 GB/s (time.sleep, the GIL released; *_spin: a C loop on the clock through "
+                   "ctypes, the GIL released, the thread on its core as in Mooncake's polling wait), "
+                   "digest on against off (waiting the same way), the digest thread "
                    "drained after each sample; shipped_*: per chunk, for the 8 decode ranks, "
                    "mooncake_draft_kv.begin_chunk (the chunk's KV-written event as wait_event), the target MLA descriptors through "
                    "kv_digest_send.scope + batch_transfer_sync_around (BufferTable.blocks, "
@@ -1420,7 +1454,7 @@ def run(args):
             bytes_per_rank_mla=rank_blocks(g, r0, mla_bases, draft_bases, pages, draft=False).total_bytes,
             bytes_per_rank_draft=rank_blocks(g, r0, mla_bases, draft_bases, pages, mla=False).total_bytes,
             bytes_chunk_mla_once=mla_once.total_bytes, link_GBps=LINK_BPS / 1e9,
-            link_time_s=link_s, goal_ratio=GOAL,
+            link_time_s=link_s, goal_ratio=GOAL, link_wait=link_wait.describe(),
             shipped=dict(
                 descriptors_per_rank_mla=len(sp.mla[r0][0]), bytes_per_rank_mla=sum(sp.mla[r0][2]),
                 draft_blocks_per_rank=blocks_mid[r0][1].count, bytes_per_rank_draft=blocks_mid[r0][1].total_bytes,
@@ -1626,7 +1660,8 @@ def section(r, name="kv_digest_cost.json"):
     for key in [k for k in res if k.startswith("over_link_") and "_chunk_exposed" in k]:
         which, mode = key[len("over_link_"):].split("_chunk_exposed")
         x = res[key]
-        on, off = res[f"over_link_{which}_chunk_digest_on{mode}"], res[f"over_link_{which}_chunk_digest_off"]
+        on = res[f"over_link_{which}_chunk_digest_on{mode}"]
+        off = res[f"over_link_{which}_chunk_digest_off{_wait_of(mode)}"]
         how = {
             ("middle", ""): "by the worker inside its own long transfers (shipped: Mooncake's asynchronous batch API)",
             ("middle", "_thread"): "on the digest thread, after the chunk (shipped for an engine without that API; its work, done after the chunk, is the lag, not timed here: see the whole request)",
@@ -1638,6 +1673,10 @@ def section(r, name="kv_digest_cost.json"):
             ("last", "_at_last_rank_only"): "on the digest thread, one call at the last decode rank's first long transfer, the rest at the status (012a25a's schedule, the state digested at its send)",
             ("last", "_no_prepare"): "shipped, but the state digested at its send, not from the chunk's start (e7c7ad6's code)",
             ("last", "_switch_interval"): "shipped, the interpreter's thread switch interval 0.5 ms instead of 5 ms during the chunk (a what-if, not shipped)",
+            ("middle", "_spin"): "shipped (the worker inside its transfers), **each transfer waiting on its core as Mooncake's polling wait does**, the digest off waiting so too",
+            ("last", "_spin"): "shipped (the worker inside its transfers, the tail at the status), **each transfer waiting on its core as Mooncake's polling wait does**, the digest off so too",
+            ("middle", "_thread_spin"): "on the digest thread after the chunk (an engine without the asynchronous API), each transfer waiting on its core",
+            ("last", "_thread_spin"): "on the digest thread (an engine without the asynchronous API), each transfer waiting on its core",
         }.get((which, mode), mode)
         out.append(
             f"| {which} | {how} | {us(off['wall_s'])} "
@@ -1648,28 +1687,39 @@ def section(r, name="kv_digest_cost.json"):
     REQUEST_MODE_NAMES = {"_all_inline": "every chunk inline (the synchronous design)",
                           "_thread": "on the digest thread (an engine without the asynchronous API)",
                           "_no_prepare": "shipped but the last chunk's state digested at its send "
-                                         "(e7c7ad6's code)"}  # fmt: skip
+                                         "(e7c7ad6's code)",
+                          "_spin": "shipped, each transfer waiting on its core (Mooncake's polling "
+                                   "wait), against the digest off waiting so too",
+                          "_thread_spin": "on the digest thread, each transfer waiting on its core"}  # fmt: skip
     rq = [k for k in res if k.startswith("over_link_request_") and "_chunks_exposed" in k]
     if rq:
         n = res[rq[0]]["chunks"]
         off = res[f"over_link_request_{n}_chunks_digest_off"]
+        off_spin = res.get(f"over_link_request_{n}_chunks_digest_off_spin")
         out += ["", f"A whole request of {n} chunks ({n - 1} middle, then the last; one room, back to back, "
                 "so a middle chunk's digest still runs on the thread while the next chunk is sent): "
-                f"digest off {us(off['wall_s'])}; "
+                f"digest off {us(off['wall_s'])}"
+                + (f" (each transfer waiting on its core: {us(off_spin['wall_s'])})" if off_spin else "")
+                + "; "
                 + "; ".join(
                     f"{REQUEST_MODE_NAMES.get(k.rsplit('_chunks_exposed', 1)[1], 'shipped')} "
                     f"{us(res[k.replace('_exposed', '_digest_on')]['wall_s'])}, "
                     f"**+{res[k]['exposed_s'] * 1e6:.0f} us = {100 * res[k]['over_link_time']:.1f}%** of the "
                     f"request's link time ({res[k]['emulated_link_s'] * 1e3:.2f} ms)" for k in rq) + "."]
-    verdict = lambda which: (  # noqa: E731
-        "met" if res[f"over_link_{which}_chunk_exposed"]["over_link_time"] < GOAL else "not met")
-    if "over_link_middle_chunk_exposed" in res:
+    def verdict(key):
+        x = res[key]["over_link_time"]
+        return f"{'met' if x < GOAL else 'not met'} ({100 * x:.2f}%)"
+
+    for mode, how in (("", "each transfer waiting asleep"),
+                      ("_spin", "each transfer waiting on its core, as Mooncake's polling wait does")):
+        if f"over_link_middle_chunk_exposed{mode}" not in res:
+            continue
+        rkey = f"over_link_request_{REQUEST_CHUNKS}_chunks_exposed{mode}"
         out += ["", f"Goal < {100 * GOAL:.0f}% of the link time, as the time the digest adds to the "
-                f"chunk's sends (shipped): middle chunk {verdict('middle')}, last chunk {verdict('last')}"
-                + (f", a {REQUEST_CHUNKS}-chunk request "
-                   + ("met" if res[f"over_link_request_{REQUEST_CHUNKS}_chunks_exposed"]["over_link_time"]
-                      < GOAL else "not met")
-                   if f"over_link_request_{REQUEST_CHUNKS}_chunks_exposed" in res else "") + "."]
+                f"chunk's sends (shipped; {how}): middle chunk "
+                f"{verdict(f'over_link_middle_chunk_exposed{mode}')}, last chunk "
+                f"{verdict(f'over_link_last_chunk_exposed{mode}')}"
+                + (f", a {REQUEST_CHUNKS}-chunk request {verdict(rkey)}" if rkey in res else "") + "."]
     bd = res.get("over_link_last_chunk_breakdown")
     if bd:
         med = lambda m, k: bd[m].get(k, {"median": 0.0})["median"] * 1e6  # noqa: E731
@@ -1705,15 +1755,17 @@ def section(r, name="kv_digest_cost.json"):
                 f"{med(m, 'tail_job_resolve'):.0f}, engine calls {med(m, 'tail_job_engine'):.0f}"
                 for m in tails) + " (an engine call with no blocks, `direct_call_empty`: "
                 f"{res['direct_call_empty']['wall_s']['median'] * 1e6:.0f})."]
-    split = [(w, res[f"over_link_{w}_chunk_exposed"]) for w in ("middle", "last")
-             if "wall_parts_on" in res.get(f"over_link_{w}_chunk_exposed", {})]
+    split = [(f"{w} chunk" + (", each transfer waiting on its core," if m else ""),
+              res[f"over_link_{w}_chunk_exposed{m}"])
+             for m in ("", "_spin") for w in ("middle", "last")
+             if "wall_parts_on" in res.get(f"over_link_{w}_chunk_exposed{m}", {})]
     if split:
         part = lambda e, side, k: e[side][k]["median"] * 1e6  # noqa: E731
         parts = (("worker_outside_transfers", "outside the transfers"),
                  ("transfers_late", "transfers late"), ("flush_wait", "the wait at the status"))
         out += ["", "The same split in the main loop itself (each over-link sample of the rotating "
                 "loop above; digest on / off, medians in µs, the difference in bold): " + "; ".join(
-                    f"{w} chunk (+{e['exposed_s'] * 1e6:.0f} exposed): " + ", ".join(
+                    f"{w} (+{e['exposed_s'] * 1e6:.0f} exposed): " + ", ".join(
                         f"{name} {part(e, 'wall_parts_on', k):.0f} / {part(e, 'wall_parts_off', k):.0f} "
                         f"**{part(e, 'wall_parts_on', k) - part(e, 'wall_parts_off', k):+.0f}**"
                         for k, name in parts) for w, e in split) + "."]

@@ -173,51 +173,86 @@ ROWS = (("wall", "wall"), ("flush_wait", "the wait at the status"),
         ("outside_while_a_job_ran", "outside the transfers while a digest job ran"),
         ("late_otherwise", "transfers late, ending with no job running"),
         ("late_in_a_job", "transfers late, ending while a job ran"),
-        ("thread_busy", "the digest thread's jobs"))  # fmt: skip
+        ("thread_busy", "the digest thread's jobs"),
+        ("window_busy", "the worker's windows (its digest inside its transfers)"),
+        ("window_resolve", "... of which resolving the queued sends"),
+        ("window_engine", "... of which engine calls"),
+        ("window_overrun", "the windows' time past their transfer's end"),
+        ("tail_window", "the tail's window, at the status"))  # fmt: skip
 
 
-def _overruns(c):
-    """Each job of a timeline against the transfer it started in: (job, start, length, the
-    transfer's remaining time when the job started, by how much the job outlasted it)."""
+def _overruns(c, spans="jobs"):
+    """Each job (or window) of a timeline against the transfer it started in: (name, start,
+    length, the transfer's remaining time when it started, by how much it outlasted it)."""
     out = []
-    for name, a, b in (j for j in c["jobs"] if j[1] < c["wall"]):
+    for name, a, b in (j for j in c.get(spans, ()) if j[1] < c["wall"]):
         inside = [(w, s, e) for w, s, e in c["transfers"] if s <= a < e]
         left = (inside[0][1] + inside[0][0] - a) if inside else 0.0
         out.append((name, a, b - a, left, (b - a) - left))
     return out
 
 
-def section(r, origin, summ, name="kv_digest_timeline.json"):
-    """The results page's section (``report.py`` passes its provenance and summary renderers)."""
-    on, off = r["summary"]["digest_on"], r["summary"]["digest_off"]
-    out = ["## Where a Kimi-K3 last chunk's digest meets the worker: a timeline", "",
-           *origin(name, r["provenance"]), "", f"Timed: {r['provenance']['timed']}.", "",
-           "Per last chunk over the emulated link, microseconds, median (min-max) of "
+def _chunk_section(summary, what, summ):
+    on, off = summary["digest_on"], summary["digest_off"]
+    out = [f"Per {what} over the emulated link, microseconds, median (min-max) of "
            f"{on['wall']['n']} samples each, alternating:", "",
            "| | digest on | digest off | on - off (medians) |", "|---|---|---|---|"]
+    zero = {"median": 0.0, "min": 0.0, "max": 0.0}
     for k, label in ROWS:
-        a, b = on[k], off.get(k, {"median": 0.0, "min": 0.0, "max": 0.0})
+        if k not in on and k not in off:
+            continue  # a run before this row was timed
+        a, b = on.get(k, zero), off.get(k, zero)
         out.append(f"| {label} | {summ(a, 1e6, '{:.0f}')} | {summ(b, 1e6, '{:.0f}')} | "
                    f"{(a['median'] - b['median']) * 1e6:+.0f} |")
     n, n_job = on["transfers"]["median"], on["transfers_ending_in_a_job"]["median"]
+    windows = (f"; the worker digested in {on['windows']['median']:.0f} of its transfers, "
+               f"{on['windows_overrun']['median']:.0f} (median) of those windows outlasting the "
+               "transfer" if "windows" in on else "")
     out += ["", f"Transfers per chunk: {n:.0f}, of which {n_job:.0f} (median) ended while a digest job "
             f"ran; {on['thread_jobs']['median']:.0f} jobs, {on['engine_calls']['median']:.0f} engine "
-            "calls. A transfer that ended with no job running was as late as with the digest off ("
-            f"{on['late_otherwise']['median'] / max(n - n_job, 1) * 1e6:.0f} against "
+            f"calls{windows}. A transfer that ended with no job running was as late as with the digest "
+            f"off ({on['late_otherwise']['median'] / max(n - n_job, 1) * 1e6:.0f} against "
             f"{off['late_otherwise']['median'] / off['transfers']['median'] * 1e6:.0f} us each, medians "
             "over the count: the emulating sleep's own overshoot).", ""]
-    if r["timelines"]:
-        c = r["timelines"][0]
-        out += ["The first sample's jobs (µs from the chunk's start; the transfer they started in had "
-                "this much of its time left; overrun = how much longer the job ran):", ""]
-        out += ["| job | start | length | its transfer's time left | overrun |", "|---|---|---|---|---|"]
-        for n, a, length, left, over in _overruns(c):
+    return out
+
+
+def _first_timeline(c, what):
+    out = []
+    for spans, label in (("jobs", "digest thread's jobs"), ("windows", "worker's windows")):
+        rows = _overruns(c, spans)
+        if not rows:
+            continue
+        out += [f"The first {what}'s {label} (µs from the chunk's start; the transfer they started "
+                "in had this much of its time left; overrun = how much longer they ran):", "",
+                "| what | start | length | its transfer's time left | overrun |", "|---|---|---|---|---|"]
+        for n, a, length, left, over in rows:
             n = "set (the status's wait marker)" if n == "set" else n
+            n = "window at the status (no transfer)" if n == "window" and not left else n
             out.append(f"| `{n}` | {a * 1e6:.0f} | {length * 1e6:.0f} | {left * 1e6:.0f} | "
                        f"{over * 1e6:+.0f} |")
-        out += ["", f"Its transfers asked for {min(w for w, _, _ in c['transfers']) * 1e6:.0f}-"
-                f"{max(w for w, _, _ in c['transfers']) * 1e6:.0f} us each; the status's wait began at "
-                f"{c['flush_at'] * 1e6:.0f} and the chunk ended at {c['wall'] * 1e6:.0f}."]
+        out.append("")
+    out += [f"Its transfers asked for {min(w for w, _, _ in c['transfers']) * 1e6:.0f}-"
+            f"{max(w for w, _, _ in c['transfers']) * 1e6:.0f} us each; the status's wait began at "
+            f"{c['flush_at'] * 1e6:.0f} and the chunk ended at {c['wall'] * 1e6:.0f}."]
+    return out
+
+
+def section(r, origin, summ, name="kv_digest_timeline.json"):
+    """The results page's section (``report.py`` passes its provenance and summary renderers)."""
+    wait = r.get("link_wait", {}).get("used", "sleep")
+    how = {"sleep": "each transfer waiting asleep",
+           "spin": "each transfer waiting on its core, as Mooncake's polling wait does"}[wait]
+    out = [f"## Where a Kimi-K3 chunk's digest meets the worker: a timeline ({how})", "",
+           *origin(name, r["provenance"]), "", f"Timed: {r['provenance']['timed']}.", ""]
+    out += _chunk_section(r["summary"], "last chunk", summ)
+    if r["timelines"]:
+        out += _first_timeline(r["timelines"][0], "last chunk")
+    middle = r.get("middle")
+    if middle:
+        out += ["", *_chunk_section(middle["summary"], "middle chunk", summ)]
+        if middle["timelines"]:
+            out += _first_timeline(middle["timelines"][0], "middle chunk")
     return out
 
 
@@ -231,7 +266,13 @@ def main():
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (host engine)")
+    ap.add_argument("--wait", choices=("sleep", "spin"), default="sleep",
+                    help="how each emulated transfer waits (link_wait): asleep, or on its core as "
+                         "Mooncake's polling wait does")  # fmt: skip
     args = ap.parse_args()
+    if cost.WAITS[args.wait] is None:
+        raise SystemExit(f"--wait {args.wait}: {cost.link_wait.describe()[args.wait]}")
+    cost.WAIT_UNTIL = cost.WAITS[args.wait]
     g = cost.geometry()
     dev = torch.device(args.device)
     pools = cost.make_pools(g, dev, cost.PREFILL_POOL_PAGES, torch)
@@ -275,9 +316,11 @@ def main():
             repetitions=args.reps, warmup=args.warmup, timed_sources=cost.TIMED,
             timed="kv_digest_cost.SendPath.chunk (the shipped send path of a last chunk, then of a "
                   "middle chunk, 8 decode ranks, over a 50 GB/s link emulated by a GIL-releasing "
-                  "sleep), digest on and off alternating; DigestThread._timed, DigestEngine.digest, "
+                  "sleep, or with --wait spin a GIL-free spin on the thread's core), digest on and "
+                  "off alternating; DigestThread._timed, DigestEngine.digest, "
                   "kv_digest_send._digest_window and _signed_parts wrapped to time-stamp the "
                   "thread's jobs, the engine calls, the worker's windows and their resolving"),
+        link_wait=dict(used=args.wait, **cost.link_wait.describe()),
         summary=summary, timelines=kept,
         middle=dict(summary=middle, timelines=middle_kept))  # fmt: skip
     with open(args.out, "w") as f:

@@ -230,6 +230,9 @@ def kv_digest_cost(out):
     import kv_digest_timeline as timeline
 
     out += [""] + timeline.section(load("kv_digest_timeline.json"), origin, summ)
+    if os.path.exists(os.path.join(HERE, "kv_digest_timeline_spin.json")):
+        out += [""] + timeline.section(load("kv_digest_timeline_spin.json"), origin, summ,
+                                       "kv_digest_timeline_spin.json")
 
 
 def main():
