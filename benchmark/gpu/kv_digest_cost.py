@@ -434,18 +434,6 @@ class EmulatedLink:
         return 0
 
 
-def _no_deadline_clock():
-    """A window clock that lets every step run in every window (what the worker did before the
-    clock, 59c67ae): the same-run comparison for the shipped clock."""
-    from sglang_dflash_pp.srt.disaggregation.kv_digest_window_clock import WindowClock
-
-    class NoDeadline(WindowClock):
-        def deadline(self, t_submit, nbytes):
-            return None
-
-    return NoDeadline()
-
-
 def _wait_of(mode: str) -> str:
     """The suffix of the digest-off variant a variant is compared with: the one whose emulated
     transfers wait the same way (``_spin``: on their core)."""
@@ -551,12 +539,6 @@ class SendPath:
         self.manager_off = SimpleNamespace(**{**vars(self.manager), "_dflash_kv_digest": None})
         # as start_send_digest decides it for this engine (True: the worker digests in windows)
         self.manager._dflash_kv_digest.windows = kds.transfer_windows(self.mooncake)
-        # The window clock (what the rank learns of its link and window steps): one per link
-        # rate this script emulates, as a deployment has one link (the instant transfers of the
-        # no-link variants would teach it a link no transfer here has); ``clock_override``: a
-        # variant's own (``NoDeadline``: every step fits, the code before the clock).
-        self.clocks = {}
-        self.clock_override = None
 
     @property
     def engine(self):
@@ -584,8 +566,6 @@ class SendPath:
         worker's does (``end_chunk``: the thread goes on while the next chunk is sent)."""
         kds, mdk = self.kds, self.mdk
         m = self.manager if digest else self.manager_off
-        self.manager._dflash_kv_digest.clock = self.clock_override or self.clocks.setdefault(
-            link_bps, kds.WindowClock())
         move = _moved if link_bps is None else _moving(link_bps)
         self.mooncake.engine.bps = link_bps
         # the transfer worker hook's begin_chunk / end_chunk (the chunk's _Pending)
@@ -917,20 +897,14 @@ def run(args):
              "_switch_interval": dict(inline=False, switch_interval=SWITCH_INTERVAL_WHAT_IF_S),
              # the same two schedules, each transfer waiting on its core as Mooncake's polling
              # wait does (``link_wait.spin_until``), against the digest off waiting so too
-             # the worker running every window step whether or not it fits (59c67ae's code)
-             "_every_step": dict(inline=False, windows=True, clock="none"),
              **({"_spin": dict(inline=False, windows=True, wait="spin"),
-                 "_thread_spin": dict(inline=False, wait="spin"),
-                 "_every_step_spin": dict(inline=False, windows=True, wait="spin", clock="none")}
-                if link_wait.spin_until else {})}  # fmt: skip
+                 "_thread_spin": dict(inline=False, wait="spin")} if link_wait.spin_until else {})}  # fmt: skip
     mode_chunks = {"": ("middle", "last"), "_thread": ("middle", "last"),
                    "_all_inline": ("middle", "last"), "_no_eager": ("last",),
                    "_no_prepare": ("last",), "_at_last_rank_only": ("last",),
                    "_switch_interval": ("last",), "_spin": ("middle", "last"),
-                   "_thread_spin": ("middle", "last"), "_every_step": ("middle", "last"),
-                   "_every_step_spin": ("middle", "last")}  # fmt: skip
+                   "_thread_spin": ("middle", "last")}  # fmt: skip
     shipped_prepare = kds.prepare_states
-    no_deadline = _no_deadline_clock()
     thread_use.update({f"{w}{m}": dict(lag=[], busy=[]) for m in modes for w in mode_chunks[m]})
     # Each over-link sample's wall split as the breakdown pass splits it (``_link_parts``), in
     # this rotating loop: does the same code spend the same time in the same places here?
@@ -951,7 +925,6 @@ def run(args):
             global TRANSFERS, WAIT_UNTIL
             TRANSFERS = []
             WAIT_UNTIL = WAITS[modes[mode].get("wait", "sleep")]
-            sp.clock_override = no_deadline if modes[mode].get("clock") == "none" else None
             try:
                 t0 = time.perf_counter()
                 t_flush = sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on,
@@ -962,7 +935,6 @@ def run(args):
             finally:
                 TRANSFERS = None
                 WAIT_UNTIL = link_wait.sleep_until
-                sp.clock_override = None
                 sp.windows = True
                 sys.setswitchinterval(switch_interval)
                 kds.EAGER_DIGEST_MIN_BYTES = shipped_eager
@@ -982,10 +954,9 @@ def run(args):
     # A whole request over the link: REQUEST_CHUNKS - 1 middle chunks then the last, one room,
     # back to back (a middle chunk's digest still running on the thread while the next is sent,
     # as in serving); digest on (shipped), every chunk inline, and off.
-    def request(on, inline=False, prepare=True, windows=True, wait="sleep", clock=None):
+    def request(on, inline=False, prepare=True, windows=True, wait="sleep"):
         def fn(e):
             global WAIT_UNTIL
-            sp.clock_override = clock
             room["now"] = next(sp.rooms)
             room["busy0"] = sp.manager._dflash_kv_digest.thread.busy_s
             if not prepare:
@@ -999,7 +970,6 @@ def run(args):
             finally:
                 kds.prepare_states = shipped_prepare
                 sp.windows = True
-                sp.clock_override = None
                 WAIT_UNTIL = link_wait.sleep_until
         return fn
 
@@ -1017,16 +987,12 @@ def run(args):
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_no_prepare": (
             request(True, prepare=False, windows=False), sp.stream, request_after),
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off": (request(False), sp.stream, None),
-        f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_every_step": (
-            request(True, clock=no_deadline), sp.stream, request_after),
         **({f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_spin": (
                 request(True, wait="spin"), sp.stream, request_after),
             f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_thread_spin": (
                 request(True, windows=False, wait="spin"), sp.stream, request_after),
             f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off_spin": (
                 request(False, wait="spin"), sp.stream, None),
-            f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_every_step_spin": (
-                request(True, wait="spin", clock=no_deadline), sp.stream, request_after),
             "over_link_middle_chunk_digest_off_spin": (over_link(False, False, "_spin"), sp.stream, None),
             "over_link_last_chunk_digest_off_spin": (over_link(True, False, "_spin"), sp.stream, None),
             } if link_wait.spin_until else {}),
@@ -1055,8 +1021,7 @@ def run(args):
     })  # fmt: skip
     direct = dig._direct
     link_request = (REQUEST_CHUNKS - 1) * link_mid + link_last
-    for mode in ("", "_thread", "_all_inline", "_no_prepare", "_every_step", "_spin", "_thread_spin",
-                 "_every_step_spin"):
+    for mode in ("", "_thread", "_all_inline", "_no_prepare", "_spin", "_thread_spin"):
         if f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on{mode}" not in results:
             continue
         off = results[f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off{_wait_of(mode)}"]["wall_s"]
@@ -1490,9 +1455,6 @@ def run(args):
             bytes_per_rank_draft=rank_blocks(g, r0, mla_bases, draft_bases, pages, mla=False).total_bytes,
             bytes_chunk_mla_once=mla_once.total_bytes, link_GBps=LINK_BPS / 1e9,
             link_time_s=link_s, goal_ratio=GOAL, link_wait=link_wait.describe(),
-            # what the shipped window clock learned by the end of the run, per emulated link
-            window_clocks={str(k): dict(link_bps=c.link_bps, step_s=dict(c.step_s))
-                           for k, c in sp.clocks.items()},
             shipped=dict(
                 descriptors_per_rank_mla=len(sp.mla[r0][0]), bytes_per_rank_mla=sum(sp.mla[r0][2]),
                 draft_blocks_per_rank=blocks_mid[r0][1].count, bytes_per_rank_draft=blocks_mid[r0][1].total_bytes,
@@ -1715,10 +1677,6 @@ def section(r, name="kv_digest_cost.json"):
             ("last", "_spin"): "shipped (the worker inside its transfers, the tail at the status), **each transfer waiting on its core as Mooncake's polling wait does**, the digest off so too",
             ("middle", "_thread_spin"): "on the digest thread after the chunk (an engine without the asynchronous API), each transfer waiting on its core",
             ("last", "_thread_spin"): "on the digest thread (an engine without the asynchronous API), each transfer waiting on its core",
-            ("middle", "_every_step"): "by the worker inside its transfers, every step in the window whether it fits or not (59c67ae's code)",
-            ("last", "_every_step"): "by the worker inside its transfers, every step in the window whether it fits or not (59c67ae's code)",
-            ("middle", "_every_step_spin"): "59c67ae's code (every step in the window), each transfer waiting on its core",
-            ("last", "_every_step_spin"): "59c67ae's code (every step in the window), each transfer waiting on its core",
         }.get((which, mode), mode)
         out.append(
             f"| {which} | {how} | {us(off['wall_s'])} "
@@ -1732,9 +1690,7 @@ def section(r, name="kv_digest_cost.json"):
                                          "(e7c7ad6's code)",
                           "_spin": "shipped, each transfer waiting on its core (Mooncake's polling "
                                    "wait), against the digest off waiting so too",
-                          "_thread_spin": "on the digest thread, each transfer waiting on its core",
-                          "_every_step": "every window step run whether it fits or not (59c67ae's code)",
-                          "_every_step_spin": "59c67ae's code, each transfer waiting on its core"}  # fmt: skip
+                          "_thread_spin": "on the digest thread, each transfer waiting on its core"}  # fmt: skip
     rq = [k for k in res if k.startswith("over_link_request_") and "_chunks_exposed" in k]
     if rq:
         n = res[rq[0]]["chunks"]

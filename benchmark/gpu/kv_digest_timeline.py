@@ -61,10 +61,10 @@ def one_chunk(sp, room, event, on, last=True):
     real_timed, real_digest = thread._timed, engine.digest
     real_window, real_signed = kds._digest_window, kds._signed_parts
 
-    def window(pending, *a):
+    def window(pending):
         t0 = time.perf_counter()
         try:
-            return real_window(pending, *a)
+            return real_window(pending)
         finally:
             windows.append(("window", t0, time.perf_counter()))
 
@@ -177,7 +177,8 @@ ROWS = (("wall", "wall"), ("flush_wait", "the wait at the status"),
         ("window_busy", "the worker's windows (its digest inside its transfers)"),
         ("window_resolve", "... of which resolving the queued sends"),
         ("window_engine", "... of which engine calls"),
-        ("window_overrun", "the windows' time past their transfer's end"))  # fmt: skip
+        ("window_overrun", "the windows' time past their transfer's end"),
+        ("tail_window", "the tail's window, at the status"))  # fmt: skip
 
 
 def _overruns(c, spans="jobs"):
@@ -320,8 +321,6 @@ def main():
                   "kv_digest_send._digest_window and _signed_parts wrapped to time-stamp the "
                   "thread's jobs, the engine calls, the worker's windows and their resolving"),
         link_wait=dict(used=args.wait, **cost.link_wait.describe()),
-        window_clock=dict(link_bps=sp.clocks[cost.LINK_BPS].link_bps,
-                          step_s=dict(sp.clocks[cost.LINK_BPS].step_s)) if cost.LINK_BPS in sp.clocks else None,
         summary=summary, timelines=kept,
         middle=dict(summary=middle, timelines=middle_kept))  # fmt: skip
     with open(args.out, "w") as f:

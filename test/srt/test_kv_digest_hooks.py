@@ -20,7 +20,6 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 
 from sglang_dflash_pp.srt.disaggregation import kv_digest_send, kv_digest_verify
 from sglang_dflash_pp.srt.disaggregation.kv_digest import Contribution, Sender, encode
-from sglang_dflash_pp.srt.disaggregation.kv_digest_window_clock import WindowClock
 
 
 def _recording():
@@ -642,39 +641,11 @@ def loopback():
     return engine, bufs
 
 
-class _EveryStepFits(WindowClock):
-    """A window clock that expects every step to fit (a link not known yet): the windows'
-    steps are then the same on every run, whatever loopback TCP's speed."""
-
-    def deadline(self, t_submit, nbytes):
-        return None
-
-
-class _Scripted(WindowClock):
-    """A window clock whose answers are scripted: ``fits(step)`` pops the next answer given for
-    that step (True when none is left); every question asked is recorded."""
-
-    def __init__(self, **answers):
-        super().__init__()
-        self.answers = {k: list(v) for k, v in answers.items()}
-        self.asked = []
-
-    def deadline(self, t_submit, nbytes):
-        return t_submit + 1.0
-
-    def fits(self, step, deadline):
-        queue = self.answers.get(step)
-        answer = queue.pop(0) if queue else True
-        self.asked.append((step, answer))
-        return answer
-
-
-def _window_manager(engine, bufs, failures, sent, calls, order, window_min_bytes=1024, clock=None):
+def _window_manager(engine, bufs, failures, sent, calls, order, window_min_bytes=1024):
     """A prefill rank's KV manager stand-in on the real engine (its Mooncake calls recorded),
     with the digest on as ``start_send_digest`` sets it for that engine: one decode rank (the
     engine's own session) holding ``bufs.dst`` as KV entry 0 (and ``bufs.unregistered``, which
-    Mooncake does not know, as entry 1) and ``bufs.state_dst`` as its state; its window clock
-    ``clock`` (default: every step fits)."""
+    Mooncake does not know, as entry 1) and ``bufs.state_dst`` as its state."""
     from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
 
     class Counting(DigestEngine):
@@ -693,7 +664,6 @@ def _window_manager(engine, bufs, failures, sent, calls, order, window_min_bytes
     digest = kv_digest_send.SendDigest(Counting("cpu"), Sender(1, 0, 2))
     digest.windows = kv_digest_send.transfer_windows(engine)
     digest.window_min_bytes = window_min_bytes
-    digest.clock = clock if clock is not None else _EveryStepFits()
     manager = types.SimpleNamespace(
         engine=engine, decode_kv_args_table=regs, request_status={},
         _dflash_kv_digest=digest,
@@ -799,105 +769,6 @@ def test_with_mooncakes_async_api_the_worker_digests_a_last_chunk_inside_its_own
     assert len(sent) == 1
     assert decode(sent[0]).sums == {(int(BufferKind.KV), 0): int(want[0]),
                                     (int(BufferKind.STATE), 0): int(want[2])}  # fmt: skip
-
-
-def test_a_last_chunks_engine_call_that_fits_no_window_is_made_once_at_its_status(loopback):
-    """Where no window is expected to hold an engine call (a slow host, a fast link): the
-    windows resolve what is queued and run the state send dry, and the status digests all of it
-    in one engine call (the state's parts, dry and real, once); every byte arrives and the
-    decode rank's sums are the sent bytes'."""
-    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
-    from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks, BufferKind, buffer_key
-    from sglang_dflash_pp.srt.disaggregation.kv_digest import decode, digest_blocks_host
-
-    engine, b = loopback
-    b.dst[:], b.state_dst[:] = 0, 0
-    failures, sent, calls, order = [], [], [], []
-    clock = _Scripted(engine=[False] * 8)
-    session, regs, manager = _window_manager(engine, b, failures, sent, calls, order, clock=clock)
-    src, dst, state_src, state_dst = (a.ctypes.data for a in (b.src, b.dst, b.state_src, b.state_dst))
-    state_lists = ([state_src + 256], [state_dst + 256], [512])
-    original, stock_calls = _stock_sync()
-
-    def maybe_send_extra(req, states, executor, registration=None):  # sglang's state send
-        return kv_digest_send.batch_transfer_sync_around(original, engine, req.mooncake_session_id,
-                                                         *state_lists)  # fmt: skip
-
-    manager.maybe_send_extra = maybe_send_extra
-    req = types.SimpleNamespace(is_dummy=False, mooncake_session_id=session, room=8,
-                                required_dst_info_num=1, endpoint="127.0.0.1", dst_port=1)
-    manager.transfer_infos = {8: {session: req}}
-    manager.request_status[8] = KVPoll.Transferring
-    kv = [(0, 0, 2048), (2048, 2048, 2048)]
-    results = []
-    mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(
-        room=8, wait_event=None, is_last_chunk=True, state_indices=[[0]]))  # fmt: skip
-    try:
-        with kv_digest_send.scope(manager, session, None):
-            for s, d, n in kv:
-                results.append(kv_digest_send.batch_transfer_sync_around(
-                    original, engine, session, [src + s], [dst + d], [n]))
-        with kv_digest_send.state_scope(manager, req, None):
-            results.append(maybe_send_extra(req, [[0]], None))
-        kv_digest_send.send_aux_around(lambda *a, **k: order.append("aux"), manager, req)
-    finally:
-        mooncake_draft_kv.end_chunk()
-    assert results == [0] * 3 and failures == [] and len(stock_calls) == 1
-    assert (b.dst[:4096] == b.src[:4096]).all() and (b.state_dst[256:768] == b.state_src[256:768]).all()
-    assert order == ["submit", ("status", 0), "submit", ("status", 0), ("digest", 4096 + 512), "aux"]
-    # window 1: resolved, its engine call refused; window 2: the dry run, the call refused again
-    assert clock.asked == [("resolve", True), ("engine", False), ("engine", False),
-                           ("prepare", True), ("engine", False)]  # fmt: skip
-    keys = [buffer_key(BufferKind.KV, 0), buffer_key(BufferKind.KV, 1), buffer_key(BufferKind.STATE, 0)]
-    want = digest_blocks_host(Blocks.concat([Blocks.of([src + s], [d], n, 0) for s, d, n in kv]
-                                            + [Blocks.of([state_src + 256], [256], 512, 2)]), keys)
-    assert decode(sent[0]).sums == {(int(BufferKind.KV), 0): int(want[0]),
-                                    (int(BufferKind.STATE), 0): int(want[2])}  # fmt: skip
-
-
-@pytest.mark.parametrize("engine_fits", ["in the next window", "in no window"])
-def test_a_middle_chunks_engine_call_waits_for_a_window_it_fits_or_the_chunks_end(loopback, engine_fits):
-    """A window whose engine call is not expected to fit leaves what it resolved to the next
-    window, which makes that call first; where none fits, the chunk's end hands it all to the
-    digest thread. Either way the room's sums are those of the bytes sent."""
-    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
-    from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks, BufferKind, buffer_key
-    from sglang_dflash_pp.srt.disaggregation.kv_digest import digest_blocks_host
-
-    engine, b = loopback
-    b.dst[:] = 0
-    failures, sent, calls, order = [], [], [], []
-    clock = _Scripted(engine=[False, True, True] if engine_fits == "in the next window" else [False] * 4)
-    session, regs, manager = _window_manager(engine, b, failures, sent, calls, order, clock=clock)
-    src, dst = b.src.ctypes.data, b.dst.ctypes.data
-    original, stock_calls = _stock_sync()
-    thread = manager._dflash_kv_digest.thread
-    submitted = []
-    thread.submit = lambda fn, *a: submitted.append((fn, a))
-    manager.request_status[10] = KVPoll.Transferring
-    kv = [(0, 0, 2048), (2048, 4096, 2048)]
-    mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(room=10, wait_event=None,
-                                                                 is_last_chunk=False))  # fmt: skip
-    try:
-        with kv_digest_send.scope(manager, session, None):
-            results = [kv_digest_send.batch_transfer_sync_around(
-                original, engine, session, [src + s], [dst + d], [n]) for s, d, n in kv]
-    finally:
-        mooncake_draft_kv.end_chunk()
-        del thread.submit
-    assert results == [0, 0] and failures == [] and stock_calls == []
-    if engine_fits == "in the next window":
-        assert order == ["submit", ("status", 0), "submit", ("digest", 2048), ("digest", 2048),
-                         ("status", 0)] and submitted == []  # fmt: skip
-    else:
-        assert order == ["submit", ("status", 0), "submit", ("status", 0)]
-        assert [fn for fn, _ in submitted] == [kv_digest_send._digest_pending]
-        for fn, a in submitted:  # the digest thread's job
-            fn(*a)
-        assert order[-1] == ("digest", 4096)
-    keys = [buffer_key(BufferKind.KV, 0), buffer_key(BufferKind.KV, 1), buffer_key(BufferKind.STATE, 0)]
-    want = digest_blocks_host(Blocks.concat([Blocks.of([src + s], [d], n, 0) for s, d, n in kv]), keys)
-    assert manager._dflash_kv_digest.pop(10, session).sums == {(int(BufferKind.KV), 0): int(want[0])}
 
 
 @pytest.mark.parametrize("case", ["transfer fails", "submit fails", "digest raises"])

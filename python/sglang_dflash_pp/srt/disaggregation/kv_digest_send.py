@@ -59,7 +59,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -85,7 +84,6 @@ from sglang_dflash_pp.srt.disaggregation.kv_digest import (
 )
 from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import unsupported_state
 from sglang_dflash_pp.srt.disaggregation.kv_digest_thread import DigestThread
-from sglang_dflash_pp.srt.disaggregation.kv_digest_window_clock import WindowClock
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +121,6 @@ class SendDigest:
         self.window_min_bytes = int(os.environ.get(WINDOW_DIGEST_MIN_BYTES_ENV,
                                                    EAGER_DIGEST_MIN_BYTES))  # fmt: skip
         self.windows_used = 0  # transfers the worker digested in (logged at the first)
-        self.clock = WindowClock()  # which window steps fit before the bytes land
 
     def add(self, room: int, session: str, tables, sums: np.ndarray) -> None:
         with self._lock:
@@ -224,9 +221,6 @@ class _Pending:
         # of :func:`_prepare_states` after ``pending``), None once run or dropped.
         self.prep: Optional[tuple] = None
         self.windows = 0  # transfers this chunk digested in (:func:`_digest_window`)
-        # Sends resolved in a window whose engine call did not fit there (:class:`_Resolved`):
-        # summed in a later window, or with the rest of the chunk.
-        self.deferred: List["_Resolved"] = []
         self._lock = threading.Lock()  # sglang's executor threads hand over here too
 
     def hand(self, manager, room: int, session: str, registration, what, written) -> None:
@@ -276,7 +270,7 @@ class _Pending:
     def digest(self) -> None:
         """Digest what is queued (nothing: no job): here in the synchronous design, else on the
         digest thread."""
-        manager = self.manager or (self.deferred[0].manager if self.deferred else None)
+        manager = self.manager
         if manager is None:
             return
         if self.inline:
@@ -417,19 +411,10 @@ def prepare_states(manager, chunk, reqs) -> None:
 
 
 def _prepare_states(pending: _Pending, manager, room: int, states, req, written) -> None:
-    """The digest thread's prepare job: the dry run and its sums, in one job."""
-    resolved = _dry_run(pending, manager, room, states, req, written)
-    if resolved is not None:
-        _sum(pending, [resolved])
-
-
-def _dry_run(pending: _Pending, manager, room: int, states, req, written) -> Optional["_Resolved"]:
-    """sglang's state send to ``req``'s decode rank run dry (:func:`captured_transfer`), its
-    lists resolved: what :func:`_sum` turns into known sums and prepared lists."""
     session = req.mooncake_session_id
     reg = (getattr(manager, "decode_kv_args_table", None) or {}).get(session)
     if pending.inline or reg is None:  # the synchronous design digests where it sends
-        return None
+        return
     captured = _scope.capture = []
     try:
         manager.maybe_send_extra(req, states, None, reg)
@@ -438,8 +423,9 @@ def _dry_run(pending: _Pending, manager, room: int, states, req, written) -> Opt
     finally:
         _scope.capture = None
     parts = _signed_parts(digest_of(manager).resolver, [(room, session, reg, w) for w in captured])
-    kept = [(w, p) for w, p in zip(captured, parts) if p[3] is not None and p[3].count]
-    return _Resolved(manager, written, [p for _, p in kept], False, kept)
+    if _known_sums(pending, manager, [p for p in parts if p[3] is not None and p[3].count], written):
+        pending.prepared.update({_list_key(w): (p[3], p[4]) for w, p in zip(captured, parts)
+                                 if p[3] is not None and p[4] in pending.known})  # fmt: skip
 
 
 def captured_transfer(session_id, buffers, peer_buffer_addresses, lengths) -> bool:
@@ -479,24 +465,13 @@ def _known_sums(pending: _Pending, manager, parts, written) -> bool:
     return True
 
 
-class _Resolved(NamedTuple):
-    """Sends resolved into parts ``(room, session, registration, blocks, signature)``, not yet
-    summed. ``add``: their sums go to their rooms (a send's), or only become known (a dry run's,
-    whose ``prepared`` pairs of lists and parts the real send then finds)."""
-
-    manager: object
-    written: Tuple
-    parts: List[Tuple]
-    add: bool
-    prepared: Optional[List[Tuple]] = None
-
-
-def _resolve(pending: _Pending) -> Optional[_Resolved]:
-    """Everything ``pending`` holds, resolved (a part that failed fails its room here)."""
+def _digest_pending(pending: _Pending) -> None:
+    """Resolve and digest every send ``pending`` holds, in one engine call (parts whose sums this
+    chunk already knows: none), and add the sums to their rooms."""
     items, manager, written = pending.take()
     digest = digest_of(manager) if manager is not None else None
     if digest is None or not items:
-        return None
+        return
     parts = []
     for room, session, registration, blocks, signature in _signed_parts(
             digest.resolver, items, pending.prepared):
@@ -506,39 +481,10 @@ def _resolve(pending: _Pending) -> Optional[_Resolved]:
             _fail(manager, room, session, signature)
         elif blocks.count:
             parts.append((room, session, registration, blocks, signature))
-    return _Resolved(manager, written, parts, True)
-
-
-def _unknown(pending: _Pending, resolved: Sequence[_Resolved]) -> bool:
-    return any(p[4] not in pending.known for r in resolved for p in r.parts)
-
-
-def _sum(pending: _Pending, resolved: Sequence[_Resolved]) -> None:
-    """The sums of ``resolved`` (one engine call for the parts this chunk does not know yet),
-    added to their rooms; a dry run's lists recorded as prepared."""
-    resolved = [r for r in resolved if r is not None]
-    if not resolved:
+    if not _known_sums(pending, manager, parts, written):
         return
-    manager = resolved[0].manager
-    written = next((r.written for r in resolved if r.written), ())
-    if not _known_sums(pending, manager, [p for r in resolved for p in r.parts], written):
-        return
-    digest = digest_of(manager)
-    for r in resolved:
-        if r.add:
-            for room, session, registration, _, signature in r.parts:
-                digest.add(room, session, tables_of(registration), pending.known[signature])
-        elif r.prepared:
-            pending.prepared.update({_list_key(w): (p[3], p[4]) for w, p in r.prepared
-                                     if p[4] in pending.known})  # fmt: skip
-
-
-def _digest_pending(pending: _Pending) -> None:
-    """Resolve and digest every send ``pending`` holds, with what its windows resolved and left
-    (:attr:`_Pending.deferred`), in one engine call (parts whose sums this chunk already knows:
-    none), and add the sums to their rooms."""
-    deferred, pending.deferred = pending.deferred, []
-    _sum(pending, deferred + [_resolve(pending)])
+    for room, session, registration, _, signature in parts:
+        digest.add(room, session, tables_of(registration), pending.known[signature])
 
 
 def flush(manager) -> bool:
@@ -551,13 +497,7 @@ def flush(manager) -> bool:
     pending = _pending()
     if digest.windows and not pending.inline:
         pending.prep = None  # the state send went out: its lists are queued
-        try:  # the tail, here: nothing hides it, and no hand-over to wait for
-            _digest_pending(pending)
-        except Exception as e:  # noqa: BLE001 - its rooms fail; the status goes out failed
-            logger.exception("KV digest at the status failed")
-            room = transfer_chunk.room_of(manager)
-            for session in sorted(pending.seen) if room is not None else ():
-                _fail(manager, room, session, e)
+        _digest_window(pending)  # the tail, here: nothing hides it, and no hand-over to wait for
     else:
         pending.digest()
     if digest.thread.idle or digest.thread.wait(_wait_bound_s()):  # earlier chunks' jobs
@@ -718,15 +658,11 @@ def transfer_windows(engine) -> bool:
 def _transfer_in_window(engine, pending: _Pending, session_id, buffers, peer_buffer_addresses,
                         lengths) -> Optional[int]:  # fmt: skip
     """One transfer of the worker's chunk, submitted to Mooncake asynchronously; while the bytes
-    move, the worker digests what of its chunk fits before they are expected to land
-    (:func:`_digest_window`), then waits for the transfer without the GIL. Its result is
-    sglang's synchronous call's: 0 when every descriptor arrived, negative when one failed. None
-    where the submit failed: sglang's own synchronous call follows (the same bytes to the same
-    places; its error handling)."""
+    move, the worker digests what its chunk queued so far (:func:`_digest_window`), then waits
+    for the transfer without the GIL. Its result is sglang's synchronous call's: 0 when every
+    descriptor arrived, negative when one failed. None where the submit failed: sglang's own
+    synchronous call follows (the same bytes to the same places; its error handling)."""
     te = engine.engine
-    digest = digest_of(pending.manager) if pending.manager is not None else None
-    nbytes = sum(lengths)
-    t_submit = time.perf_counter()
     try:
         batch = te.batch_transfer_async_write(session_id, buffers, peer_buffer_addresses, lengths)
     except Exception as e:  # noqa: BLE001 - sglang's synchronous call runs and reports
@@ -734,84 +670,42 @@ def _transfer_in_window(engine, pending: _Pending, session_id, buffers, peer_buf
         batch = 0
     if not batch:
         return None
+    digest = digest_of(pending.manager) if pending.manager is not None else None
     if digest is not None and not digest.windows_used:
         logger.info("KV checksum: the transfer worker digests inside its transfers (the first: "
-                    "%d bytes to %s)", nbytes, session_id)  # fmt: skip
-    clock = digest.clock if digest is not None else None
+                    "%d bytes to %s)", sum(lengths), session_id)  # fmt: skip
     if digest is not None:
         digest.windows_used += 1
     try:
-        _digest_window(pending, clock, clock.deadline(t_submit, nbytes) if clock else None)
+        _digest_window(pending)
     finally:
-        t_steps = time.perf_counter()
         try:
             ret = int(te.get_batch_transfer_status([batch]))
         except Exception as e:  # noqa: BLE001 - as sglang's call reports a raising engine
             logger.debug("KV digest: transfer to %s failed: %r", session_id, e)
             ret = -1
-        if clock is not None and ret == 0:
-            clock.landed(nbytes, t_submit, t_steps, time.perf_counter())
     return ret
 
 
-def _timed_step(clock: Optional[WindowClock], step: str, fn, *args):
-    t0 = time.perf_counter()
-    try:
-        return fn(*args)
-    finally:
-        if clock is not None:
-            clock.took(step, time.perf_counter() - t0)
-
-
-def _digest_window(pending: _Pending, clock: Optional[WindowClock] = None,
-                   deadline: Optional[float] = None) -> None:  # fmt: skip
-    """The worker's digest while its transfer moves: each step only where ``clock`` expects it to
-    end before ``deadline``, when the bytes are expected to land (a step outlasting the transfer
-    delays the chunk by the difference). The steps, in order: the engine call for what earlier
-    windows resolved; from the chunk's second window, its state send run dry (:func:`_dry_run`),
-    else resolving what is queued (:func:`_resolve`); the engine call for that (none where its
-    sums are known). What does not fit waits for a later window or the room's status
-    (:func:`flush`, which digests the rest). Never raises into the transfer: a failure fails the
-    chunk's rooms with its reason."""
+def _digest_window(pending: _Pending) -> None:
+    """The worker's digest while its transfer moves, one engine call per window (each costs
+    ~0.1-0.3 ms of host and GPU time; two outlast a short window): everything queued, or, in the
+    chunk's second window, its state send prepared (what is queued waits for the next window).
+    Never raises into the transfer: a failure fails the chunk's rooms with its reason."""
     manager = pending.manager
     pending.windows += 1
     try:
-        if pending.deferred:
-            manager = pending.deferred[0].manager
-            _sum_if_it_fits(pending, clock, deadline)
         if pending.prep is not None and pending.windows > 1:
-            if clock is None or clock.fits("prepare", deadline):
-                prep, pending.prep = pending.prep, None
-                manager = prep[0]
-                resolved = _timed_step(clock, "prepare", _dry_run, pending, *prep)
-                if resolved is not None:
-                    pending.deferred.append(resolved)
-        elif pending.items and (clock is None or clock.fits("resolve", deadline)):
-            resolved = _timed_step(clock, "resolve", _resolve, pending)
-            if resolved is not None:
-                manager = resolved.manager
-                pending.deferred.append(resolved)
-        if pending.deferred:
-            _sum_if_it_fits(pending, clock, deadline)
+            prep, pending.prep = pending.prep, None
+            manager = prep[0]
+            _prepare_states(pending, *prep)
+            return
+        _digest_pending(pending)
     except Exception as e:  # noqa: BLE001 - its rooms fail; the transfer and the server go on
         logger.exception("KV digest in a transfer's window failed")
-        pending.deferred = []
         room = transfer_chunk.room_of(manager) if manager is not None else None
         for session in sorted(pending.seen) if room is not None else ():
             _fail(manager, room, session, e)
-
-
-def _sum_if_it_fits(pending: _Pending, clock: Optional[WindowClock], deadline) -> None:
-    """:func:`_sum` of the deferred sends, where their engine call (none if their sums are
-    known) is expected to end by ``deadline``."""
-    if _unknown(pending, pending.deferred):
-        if clock is not None and not clock.fits("engine", deadline):
-            return
-        deferred, pending.deferred = pending.deferred, []
-        _timed_step(clock, "engine", _sum, pending, deferred)
-    else:
-        deferred, pending.deferred = pending.deferred, []
-        _sum(pending, deferred)
 
 
 def batch_transfer_sync_around(original, self, session_id, buffers, peer_buffer_addresses,

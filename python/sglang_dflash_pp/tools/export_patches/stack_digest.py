@@ -109,7 +109,6 @@ PR_16 = PR(
         NewModule(f"{_DISAGG}.kv_digest_triton"),
         NewModule(f"{_DISAGG}.kv_digest_engine"),
         NewModule(f"{_DISAGG}.kv_digest_thread"),
-        NewModule(f"{_DISAGG}.kv_digest_window_clock"),
         NewModule(f"{_DISAGG}.draft_kv_digest"),
         NewModule(f"{_DISAGG}.transfer_chunk", docstring=TRANSFER_CHUNK_DOC),
         NewModule(
