@@ -1692,10 +1692,10 @@ def section(r, name="kv_digest_cost.json"):
             ("last", "_at_last_rank_only"): "on the digest thread, one call at the last decode rank's first long transfer, the rest at the status (012a25a's schedule, the state digested at its send)",
             ("last", "_no_prepare"): "shipped, but the state digested at its send, not from the chunk's start (e7c7ad6's code)",
             ("last", "_switch_interval"): "shipped, the interpreter's thread switch interval 0.5 ms instead of 5 ms during the chunk (a what-if, not shipped)",
-            ("middle", "_spin"): "shipped (the worker inside its transfers), **each transfer waiting on its core as Mooncake's polling wait does**, the digest off waiting so too",
-            ("last", "_spin"): "shipped (the worker inside its transfers, the tail at the status), **each transfer waiting on its core as Mooncake's polling wait does**, the digest off so too",
-            ("middle", "_thread_spin"): "on the digest thread after the chunk (an engine without the asynchronous API), each transfer waiting on its core",
-            ("last", "_thread_spin"): "on the digest thread (an engine without the asynchronous API), each transfer waiting on its core",
+            ("middle", "_spin"): f"shipped (the worker inside its transfers), **{link_wait.HOW['spin']}**, the digest off waiting so too",
+            ("last", "_spin"): f"shipped (the worker inside its transfers, the tail at the status), **{link_wait.HOW['spin']}**, the digest off so too",
+            ("middle", "_thread_spin"): f"on the digest thread after the chunk (an engine without the asynchronous API), {link_wait.HOW['spin']}",
+            ("last", "_thread_spin"): f"on the digest thread (an engine without the asynchronous API), {link_wait.HOW['spin']}",
         }.get((which, mode), mode)
         out.append(
             f"| {which} | {how} | {us(off['wall_s'])} "
@@ -1707,9 +1707,9 @@ def section(r, name="kv_digest_cost.json"):
                           "_thread": "on the digest thread (an engine without the asynchronous API)",
                           "_no_prepare": "shipped but the last chunk's state digested at its send "
                                          "(e7c7ad6's code)",
-                          "_spin": "shipped, each transfer waiting on its core (Mooncake's polling "
-                                   "wait), against the digest off waiting so too",
-                          "_thread_spin": "on the digest thread, each transfer waiting on its core"}  # fmt: skip
+                          "_spin": f"shipped, {link_wait.HOW['spin']}, against the digest off "
+                                   "waiting so too",
+                          "_thread_spin": f"on the digest thread, {link_wait.HOW['spin']}"}  # fmt: skip
     rq = [k for k in res if k.startswith("over_link_request_") and "_chunks_exposed" in k]
     if rq:
         n = res[rq[0]]["chunks"]
@@ -1729,8 +1729,7 @@ def section(r, name="kv_digest_cost.json"):
         x = res[key]["over_link_time"]
         return f"{'met' if x < GOAL else 'not met'} ({100 * x:.2f}%)"
 
-    for mode, how in (("", "each transfer waiting asleep"),
-                      ("_spin", "each transfer waiting on its core, as Mooncake's polling wait does")):
+    for mode, how in (("", link_wait.HOW["sleep"]), ("_spin", link_wait.HOW["spin"])):
         if f"over_link_middle_chunk_exposed{mode}" not in res:
             continue
         rkey = f"over_link_request_{REQUEST_CHUNKS}_chunks_exposed{mode}"

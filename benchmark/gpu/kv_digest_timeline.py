@@ -241,8 +241,7 @@ def _first_timeline(c, what):
 def section(r, origin, summ, name="kv_digest_timeline.json"):
     """The results page's section (``report.py`` passes its provenance and summary renderers)."""
     wait = r.get("link_wait", {}).get("used", "sleep")
-    how = {"sleep": "each transfer waiting asleep",
-           "spin": "each transfer waiting on its core, as Mooncake's polling wait does"}[wait]
+    how = cost.link_wait.HOW[wait]
     out = [f"## Where a Kimi-K3 chunk's digest meets the worker: a timeline ({how})", "",
            *origin(name, r["provenance"]), "", f"Timed: {r['provenance']['timed']}.", ""]
     out += _chunk_section(r["summary"], "last chunk", summ)

@@ -4,8 +4,8 @@
 Mooncake's Python binding waits for a transfer in a loop that polls the batch's status with
 the GIL released and never sleeps (``TransferEnginePy::batchTransferSync`` and
 ``getBatchTransferStatus`` in ``mooncake-integration/transfer_engine/transfer_engine_py.cpp``,
-0.3.x). A ``time.sleep`` releases the GIL too, but it takes the thread off its core: it wakes
-up later than asked (timer slack, ~50-70 us on the H200 host) and runs the next Python cold.
+0.3.x). A ``time.sleep`` releases the GIL too, but it takes the thread off its core and wakes
+it later than asked (timer slack, ~50-70 us a transfer on the H200 host).
 :func:`spin_until` keeps the thread on its core: a C loop on ``CLOCK_MONOTONIC`` (the clock of
 ``time.perf_counter`` on Linux), called through ``ctypes``, which releases the GIL for the call.
 It is compiled at first use with the machine's C compiler (Triton's launchers need one too);
@@ -35,6 +35,11 @@ void spin_until(double deadline) {
     }
 }
 """
+
+
+# How each way of waiting is named where results are rendered.
+HOW = {"sleep": "each transfer waiting asleep",
+       "spin": "each transfer waiting on its core, as Mooncake's polling wait does"}
 
 
 def sleep_until(deadline: float) -> None:
