@@ -595,9 +595,11 @@ class SendPath:
             mdk.end_chunk()
 
     def drain(self):
-        """Wait for the digest thread's queue (untimed, between samples); its seconds."""
+        """Wait for the digest thread's queue and read the sums still on the GPU (untimed,
+        between samples: what a room's status does before its sums are sent); its seconds."""
         t0 = time.perf_counter()
         assert self.manager._dflash_kv_digest.thread.wait(60)
+        self.manager._dflash_kv_digest.settle_parked(block=True)
         return time.perf_counter() - t0
 
     @property
@@ -670,6 +672,22 @@ def at_last_rank_only(self, session, handed_before):
     if self.ranks == 1:
         return session in handed_before
     return others >= 1
+
+
+def waiting_submit(engine):
+    """``DigestEngine.submit`` as the code before 2026-12-03 called its engine: each call waited
+    for its sums before returning (restated for the same-run comparison, modes
+    ``_window_waits``: the worker's windows then waited for the GPU; not shipped). Returns the
+    engine's real submit, to put back."""
+    from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import Sums
+
+    real = engine.submit
+
+    def submit(blocks, keys, wait_events=()):
+        return Sums(real(blocks, keys, wait_events=wait_events).result())
+
+    engine.submit = submit
+    return real
 
 
 def l2_flush_event(torch, forward, flush_buf):
@@ -897,13 +915,19 @@ def run(args):
              "_switch_interval": dict(inline=False, switch_interval=SWITCH_INTERVAL_WHAT_IF_S),
              # the same two schedules, each transfer waiting on its core as Mooncake's polling
              # wait does (``link_wait.spin_until``), against the digest off waiting so too
+             # the shipped windows with every engine call waiting for its sums (the code before
+             # the asynchronous engine calls, restated: ``waiting_submit``)
+             "_window_waits": dict(inline=False, windows=True, window_waits=True),
              **({"_spin": dict(inline=False, windows=True, wait="spin"),
-                 "_thread_spin": dict(inline=False, wait="spin")} if link_wait.spin_until else {})}  # fmt: skip
+                 "_thread_spin": dict(inline=False, wait="spin"),
+                 "_window_waits_spin": dict(inline=False, windows=True, window_waits=True,
+                                            wait="spin")} if link_wait.spin_until else {})}  # fmt: skip
     mode_chunks = {"": ("middle", "last"), "_thread": ("middle", "last"),
                    "_all_inline": ("middle", "last"), "_no_eager": ("last",),
                    "_no_prepare": ("last",), "_at_last_rank_only": ("last",),
                    "_switch_interval": ("last",), "_spin": ("middle", "last"),
-                   "_thread_spin": ("middle", "last")}  # fmt: skip
+                   "_thread_spin": ("middle", "last"), "_window_waits": ("middle", "last"),
+                   "_window_waits_spin": ("middle", "last")}  # fmt: skip
     shipped_prepare = kds.prepare_states
     thread_use.update({f"{w}{m}": dict(lag=[], busy=[]) for m in modes for w in mode_chunks[m]})
     # Each over-link sample's wall split as the breakdown pass splits it (``_link_parts``), in
@@ -922,6 +946,7 @@ def run(args):
             switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(modes[mode].get("switch_interval", switch_interval))
             sp.windows = modes[mode].get("windows", False)
+            real_submit = waiting_submit(sp.engine) if modes[mode].get("window_waits") else None
             global TRANSFERS, WAIT_UNTIL
             TRANSFERS = []
             WAIT_UNTIL = WAITS[modes[mode].get("wait", "sleep")]
@@ -933,6 +958,8 @@ def run(args):
                     _link_parts(TRANSFERS, t0, t_flush, time.perf_counter()))
                 return t_flush
             finally:
+                if real_submit is not None:
+                    del sp.engine.submit
                 TRANSFERS = None
                 WAIT_UNTIL = link_wait.sleep_until
                 sp.windows = True
@@ -954,7 +981,7 @@ def run(args):
     # A whole request over the link: REQUEST_CHUNKS - 1 middle chunks then the last, one room,
     # back to back (a middle chunk's digest still running on the thread while the next is sent,
     # as in serving); digest on (shipped), every chunk inline, and off.
-    def request(on, inline=False, prepare=True, windows=True, wait="sleep"):
+    def request(on, inline=False, prepare=True, windows=True, wait="sleep", window_waits=False):
         def fn(e):
             global WAIT_UNTIL
             room["now"] = next(sp.rooms)
@@ -963,11 +990,14 @@ def run(args):
                 kds.prepare_states = no_prepare
             sp.windows = windows
             WAIT_UNTIL = WAITS[wait]
+            real_submit = waiting_submit(sp.engine) if window_waits else None
             try:
                 for i in range(REQUEST_CHUNKS):
                     last = i == REQUEST_CHUNKS - 1
                     sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on, inline=inline)
             finally:
+                if real_submit is not None:
+                    del sp.engine.submit
                 kds.prepare_states = shipped_prepare
                 sp.windows = True
                 WAIT_UNTIL = link_wait.sleep_until
@@ -987,8 +1017,12 @@ def run(args):
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_no_prepare": (
             request(True, prepare=False, windows=False), sp.stream, request_after),
         f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off": (request(False), sp.stream, None),
+        f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_window_waits": (
+            request(True, window_waits=True), sp.stream, request_after),
         **({f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_spin": (
                 request(True, wait="spin"), sp.stream, request_after),
+            f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_window_waits_spin": (
+                request(True, wait="spin", window_waits=True), sp.stream, request_after),
             f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on_thread_spin": (
                 request(True, windows=False, wait="spin"), sp.stream, request_after),
             f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off_spin": (
@@ -1021,7 +1055,8 @@ def run(args):
     })  # fmt: skip
     direct = dig._direct
     link_request = (REQUEST_CHUNKS - 1) * link_mid + link_last
-    for mode in ("", "_thread", "_all_inline", "_no_prepare", "_spin", "_thread_spin"):
+    for mode in ("", "_thread", "_all_inline", "_no_prepare", "_spin", "_thread_spin",
+                 "_window_waits", "_window_waits_spin"):
         if f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_on{mode}" not in results:
             continue
         off = results[f"over_link_request_{REQUEST_CHUNKS}_chunks_digest_off{_wait_of(mode)}"]["wall_s"]
@@ -1054,20 +1089,21 @@ def run(args):
             wall_parts_off=_parts_summary(link_parts[(which + _wait_of(mode), False)], args.reps),
         )  # fmt: skip
 
-    # The digest thread's engine calls per chunk (DigestEngine.digest: it digests whenever it runs
-    # out of jobs, so a chunk may take several), host clock, against the worker's wait at the
-    # flush; the engine call wrapped only in this pass (no link: nothing hides the digest).
+    # The engine calls per chunk (DigestEngine.submit, and the wait for its sums: each call timed
+    # to its result), host clock, against the worker's wait at the flush; the engine call
+    # wrapped only in this pass (no link: nothing hides the digest).
     def flush_breakdown(last):
         engine = sp.engine
-        real, calls = engine.digest, []
+        real, calls = engine.submit, []
 
         def counted(blocks, k, wait_events=()):
             t0 = time.perf_counter()
             out = real(blocks, k, wait_events=wait_events)
+            out.result()
             calls.append((time.perf_counter() - t0, blocks.count, len(k), blocks.total_bytes))
             return out
 
-        engine.digest = counted
+        engine.submit = counted
         flush, eng, n_calls, per_chunk = [], [], [], None
         try:
             for i in range(args.warmup + args.reps):
@@ -1085,7 +1121,7 @@ def run(args):
                     n_calls.append(len(mine))
                     per_chunk = mine
         finally:
-            del engine.digest
+            del engine.submit
         return dict(flush_s=summary(flush), engine_digest_s=summary(eng),
                     engine_calls_per_chunk=summary(n_calls),
                     blocks=sum(c[1] for c in per_chunk), keys=sum(c[2] for c in per_chunk),
@@ -1103,22 +1139,22 @@ def run(args):
         global TRANSFERS
         thread = sp.manager._dflash_kv_digest.thread
         engine = sp.engine
-        real_timed, real_digest, real_resolved = thread._timed, engine.digest, kds._resolved_lists
+        real_timed, real_submit, real_resolved = thread._timed, engine.submit, kds._resolved_lists
         jobs, engine_calls, job_parts = {}, [], []  # job_parts: per digest job, in order
 
         def timed_job(fn, *a):
             t0 = time.perf_counter()
-            if fn is kds._digest_pending:
+            if fn is kds._digest_and_settle:
                 job_parts.append(dict(resolve=0.0, engine=0.0))
             real_timed(fn, *a)
             name = getattr(fn, "__name__", "?")
             jobs[name] = jobs.get(name, 0.0) + time.perf_counter() - t0
-            if fn is kds._digest_pending:
+            if fn is kds._digest_and_settle:
                 job_parts[-1]["job"] = time.perf_counter() - t0
 
-        def counted(blocks, k, wait_events=()):
+        def counted(blocks, k, wait_events=()):  # the submit's host time (windows: all it costs)
             t0 = time.perf_counter()
-            out = real_digest(blocks, k, wait_events=wait_events)
+            out = real_submit(blocks, k, wait_events=wait_events)
             engine_calls.append(time.perf_counter() - t0)
             if job_parts:
                 job_parts[-1]["engine"] += engine_calls[-1]
@@ -1132,7 +1168,7 @@ def run(args):
                 if job_parts:
                     job_parts[-1]["resolve"] += time.perf_counter() - t0
 
-        thread._timed, engine.digest, kds._resolved_lists = timed_job, counted, resolved
+        thread._timed, engine.submit, kds._resolved_lists = timed_job, counted, resolved
         shipped_rule = kds._Pending.digest_during
         sp.windows = mode in ("shipped", "all_inline", "off")
         if mode == "at_last_rank_only":
@@ -1166,7 +1202,8 @@ def run(args):
                         **{f"thread_{k}": v - jobs_before.get(k, 0.0) for k, v in jobs.items()}))
         finally:
             TRANSFERS = None
-            thread._timed, engine.digest, kds._resolved_lists = real_timed, real_digest, real_resolved
+            thread._timed, kds._resolved_lists = real_timed, real_resolved
+            del engine.submit
             kds._Pending.digest_during = shipped_rule
             kds.prepare_states = shipped_prepare
             sp.windows = True
@@ -1328,6 +1365,13 @@ def run(args):
     small = kt.DeviceDigest(dev, max_blocks=1000, max_slots=args.max_slots)
     small.warm()
     checks["pieces_of_1000_blocks_equal_one_launch"] = bool((small.digest(chunk, chunk_keys) == got_chunk).all())
+    # Calls submitted without waiting, more than the lanes, each after a new KV-written event,
+    # read in reverse order: each returns its own sums (a lane taken again reads its sums out).
+    queued = [(dig.submit(b, keys, wait_events=(kv_written(),)), want_rank)
+              for b, want_rank in zip(per_rank * 2, got_ranks * 2)]  # fmt: skip
+    checks["submitted_calls_read_later_in_reverse"] = dict(
+        calls=len(queued), lanes=len(dig.lanes),
+        equal=all(bool((q.result() == w).all()) for q, w in reversed(queued)))  # fmt: skip
     t0 = time.perf_counter()
     mla_cpu = [p.cpu() for p in mla_pools]
     draft_cpu = [p.cpu() for p in draft_pools]
@@ -1696,6 +1740,10 @@ def section(r, name="kv_digest_cost.json"):
             ("last", "_spin"): f"shipped (the worker inside its transfers, the tail at the status), **{link_wait.HOW['spin']}**, the digest off so too",
             ("middle", "_thread_spin"): f"on the digest thread after the chunk (an engine without the asynchronous API), {link_wait.HOW['spin']}",
             ("last", "_thread_spin"): f"on the digest thread (an engine without the asynchronous API), {link_wait.HOW['spin']}",
+            ("middle", "_window_waits"): "by the worker inside its transfers, each engine call waiting for its sums (the code before the asynchronous calls, restated)",
+            ("last", "_window_waits"): "by the worker inside its transfers, each engine call waiting for its sums (the code before the asynchronous calls, restated)",
+            ("middle", "_window_waits_spin"): f"the same, each engine call waiting for its sums (restated), {link_wait.HOW['spin']}",
+            ("last", "_window_waits_spin"): f"the same, each engine call waiting for its sums (restated), {link_wait.HOW['spin']}",
         }.get((which, mode), mode)
         out.append(
             f"| {which} | {how} | {us(off['wall_s'])} "
@@ -1709,7 +1757,11 @@ def section(r, name="kv_digest_cost.json"):
                                          "(e7c7ad6's code)",
                           "_spin": f"shipped, {link_wait.HOW['spin']}, against the digest off "
                                    "waiting so too",
-                          "_thread_spin": f"on the digest thread, {link_wait.HOW['spin']}"}  # fmt: skip
+                          "_thread_spin": f"on the digest thread, {link_wait.HOW['spin']}",
+                          "_window_waits": "the windows' engine calls waiting for their sums "
+                                           "(the code before the asynchronous calls, restated)",
+                          "_window_waits_spin": "the windows' engine calls waiting for their sums "
+                                                f"(restated), {link_wait.HOW['spin']}"}  # fmt: skip
     rq = [k for k in res if k.startswith("over_link_request_") and "_chunks_exposed" in k]
     if rq:
         n = res[rq[0]]["chunks"]
@@ -1764,7 +1816,7 @@ def section(r, name="kv_digest_cost.json"):
                 f"| {names[m]} | {med(m, 'wall'):.0f} | {med(m, 'flush_wait'):.0f} | "
                 f"{med(m, 'worker_outside_transfers'):.0f} | {med(m, 'transfers_late'):.0f} | "
                 f"{job(m, 'thread__resolve_job')} / {job(m, 'thread__queue_job')} / "
-                f"{job(m, 'thread__digest_pending')} | {bd[m]['engine_calls']['median']:.0f} "
+                f"{job(m, 'thread__digest_and_settle')} | {bd[m]['engine_calls']['median']:.0f} "
                 f"({med(m, 'engine_s'):.0f}) |")  # fmt: skip
         tails = [m for m in ("shipped", "thread", "no_prepare") if "tail_job_job" in bd.get(m, {})]
         if tails:
@@ -1851,7 +1903,12 @@ def section(r, name="kv_digest_cost.json"):
         f"{c['host_reference']['decode_rank']} ({c['host_reference']['blocks']:,} blocks): "
         f"{c['host_reference']['equal']}; one call equals the per-rank calls: "
         f"{c['chunk_call_equals_per_rank_calls']}; in pieces of 1000 blocks: "
-        f"{c['pieces_of_1000_blocks_equal_one_launch']}; a flipped byte changed slots "
+        f"{c['pieces_of_1000_blocks_equal_one_launch']}; "
+        + (f"{c['submitted_calls_read_later_in_reverse']['calls']} calls submitted without waiting "
+           f"({c['submitted_calls_read_later_in_reverse']['lanes']} lanes), read in reverse order, "
+           f"each its own sums: {c['submitted_calls_read_later_in_reverse']['equal']}; "
+           if "submitted_calls_read_later_in_reverse" in c else "")
+        + f"a flipped byte changed slots "
         f"{c['flipped_byte']['changed_slots']} (expected [{c['flipped_byte']['expected_slot']}]); after "
         f"`warm()`, 100 direct digests and 100 shipped flushes made {after['cuda_allocations']} CUDA "
         f"allocations and compiled {after['kernel_variants_compiled']} kernels; sglang modules imported: "

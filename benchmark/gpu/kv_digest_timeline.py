@@ -11,7 +11,7 @@ digest on, then the same sends with it off), with ``time.perf_counter``:
   ``time.sleep`` that releases the GIL, as Mooncake's transfer does) and when it returned, the
   GIL taken back (``kv_digest_cost._over_link``'s record);
 * each job of the digest thread (``DigestThread._timed``: its kind, start, end) and each engine
-  call inside it (``DigestEngine.digest``);
+  call (``DigestEngine.submit``: the host time to queue the kernel; its sums are read later);
 * the status's wait (``flush``);
 * with Mooncake's asynchronous batch API (the shipped schedule), each window the worker digests
   in (``kv_digest_send._digest_window``), with its resolving of the queued sends
@@ -58,13 +58,13 @@ def one_chunk(sp, room, event, on, last=True):
     engine = sp.engine
     kds = sp.kds
     jobs, calls, windows, resolves = [], [], [], []
-    real_timed, real_digest = thread._timed, engine.digest
+    real_timed, real_submit = thread._timed, engine.submit
     real_window, real_signed = kds._digest_window, kds._signed_parts
 
-    def window(pending):
+    def window(*a):
         t0 = time.perf_counter()
         try:
-            return real_window(pending)
+            return real_window(*a)
         finally:
             windows.append(("window", t0, time.perf_counter()))
 
@@ -82,14 +82,14 @@ def one_chunk(sp, room, event, on, last=True):
         finally:
             jobs.append((getattr(fn, "__name__", "?"), t0, time.perf_counter()))
 
-    def digest(blocks, keys, wait_events=()):
+    def submit(blocks, keys, wait_events=()):
         t0 = time.perf_counter()
         try:
-            return real_digest(blocks, keys, wait_events=wait_events)
+            return real_submit(blocks, keys, wait_events=wait_events)
         finally:
             calls.append(("engine", t0, time.perf_counter()))
 
-    thread._timed, engine.digest = timed, digest
+    thread._timed, engine.submit = timed, submit
     kds._digest_window, kds._signed_parts = window, signed
     cost.TRANSFERS = []
     try:
@@ -101,7 +101,8 @@ def one_chunk(sp, room, event, on, last=True):
         sp.drain()  # the jobs the chunk left are on its timeline too
     finally:
         cost.TRANSFERS = None
-        thread._timed, engine.digest = real_timed, real_digest
+        thread._timed = real_timed
+        del engine.submit
         kds._digest_window, kds._signed_parts = real_window, real_signed
     if on:
         sp.pop(room)
@@ -316,7 +317,7 @@ def main():
             timed="kv_digest_cost.SendPath.chunk (the shipped send path of a last chunk, then of a "
                   "middle chunk, 8 decode ranks, over a 50 GB/s link emulated by a GIL-releasing "
                   "sleep, or with --wait spin a GIL-free spin on the thread's core), digest on and "
-                  "off alternating; DigestThread._timed, DigestEngine.digest, "
+                  "off alternating; DigestThread._timed, DigestEngine.submit, "
                   "kv_digest_send._digest_window and _signed_parts wrapped to time-stamp the "
                   "thread's jobs, the engine calls, the worker's windows and their resolving"),
         link_wait=dict(used=args.wait, **cost.link_wait.describe()),

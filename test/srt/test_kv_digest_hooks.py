@@ -130,9 +130,9 @@ def test_one_digest_per_chunk_and_every_rank_gets_its_sums_before_the_last_aux()
     engine_calls = []
 
     class CountingEngine(DigestEngine):
-        def digest(self, blocks, keys, wait_events=()):
+        def submit(self, blocks, keys, wait_events=()):
             engine_calls.append(blocks.count)
-            return super().digest(blocks, keys, wait_events)
+            return super().submit(blocks, keys, wait_events)
 
     sent = []
     regs = {s: types.SimpleNamespace(dst_kv_ptrs=[1 << 40, 1 << 41], dst_state_data_ptrs=[])
@@ -242,9 +242,9 @@ def test_a_stuck_digest_thread_fails_the_room_without_its_sums(monkeypatch):
     release = threading.Event()
 
     class StuckEngine(DigestEngine):
-        def digest(self, blocks, keys, wait_events=()):
+        def submit(self, blocks, keys, wait_events=()):
             release.wait(30)
-            return super().digest(blocks, keys, wait_events)
+            return super().submit(blocks, keys, wait_events)
 
     monkeypatch.setenv(TIMEOUT_ENV, "0.5")
     src = np.zeros(64, dtype=np.uint8)
@@ -333,9 +333,9 @@ def test_a_last_chunk_is_digested_during_its_own_long_transfers_and_read_before_
     digested = []  # (blocks, bytes) per engine call
 
     class CountingEngine(DigestEngine):
-        def digest(self, blocks, keys, wait_events=()):
+        def submit(self, blocks, keys, wait_events=()):
             digested.append(blocks.total_bytes)
-            return super().digest(blocks, keys, wait_events)
+            return super().submit(blocks, keys, wait_events)
 
     failures, sent = [], []
     regs, manager = _chunk_manager(CountingEngine("cpu"), failures, sent)
@@ -535,9 +535,9 @@ def _counting_engine(calls):
     from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
 
     class Counting(DigestEngine):
-        def digest(self, blocks, keys, wait_events=()):
+        def submit(self, blocks, keys, wait_events=()):
             calls.append(blocks.total_bytes)
-            return super().digest(blocks, keys, wait_events)
+            return super().submit(blocks, keys, wait_events)
 
     return Counting("cpu")
 
@@ -641,18 +641,38 @@ def loopback():
     return engine, bufs
 
 
-def _window_manager(engine, bufs, failures, sent, calls, order, window_min_bytes=1024):
+class _GpuLikeSums:
+    """Sums that, like a GPU call's, are ready only once ``ready`` is set: ``done()`` asks, and
+    ``result()`` waits for it (bounded), recording the read in ``order``. The host engine's
+    sums are computed at the submit; this stands in for the kernel still running."""
+
+    def __init__(self, sums, nbytes, ready, order):
+        self._sums, self._nbytes, self._ready, self._order = sums, nbytes, ready, order
+
+    def done(self):
+        return self._ready.is_set()
+
+    def result(self):
+        assert self._ready.wait(10), "the sums were never released"
+        self._order.append(("read", self._nbytes))
+        return self._sums.result()
+
+
+def _window_manager(engine, bufs, failures, sent, calls, order, window_min_bytes=1024,
+                    ready=None):  # fmt: skip
     """A prefill rank's KV manager stand-in on the real engine (its Mooncake calls recorded),
     with the digest on as ``start_send_digest`` sets it for that engine: one decode rank (the
     engine's own session) holding ``bufs.dst`` as KV entry 0 (and ``bufs.unregistered``, which
-    Mooncake does not know, as entry 1) and ``bufs.state_dst`` as its state."""
+    Mooncake does not know, as entry 1) and ``bufs.state_dst`` as its state. ``ready``: a
+    ``threading.Event`` the engine's sums wait for (:class:`_GpuLikeSums`)."""
     from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
 
     class Counting(DigestEngine):
-        def digest(self, blocks, keys, wait_events=()):
+        def submit(self, blocks, keys, wait_events=()):
             calls.append(blocks.total_bytes)
             order.append(("digest", blocks.total_bytes))
-            return super().digest(blocks, keys, wait_events)
+            sums = super().submit(blocks, keys, wait_events)
+            return sums if ready is None else _GpuLikeSums(sums, blocks.total_bytes, ready, order)
 
     if not isinstance(engine.engine, _RecordingMooncake):
         engine.engine = _RecordingMooncake(engine.engine, order)
@@ -771,6 +791,99 @@ def test_with_mooncakes_async_api_the_worker_digests_a_last_chunk_inside_its_own
                                     (int(BufferKind.STATE), 0): int(want[2])}  # fmt: skip
 
 
+def test_with_windows_the_gpus_sums_are_read_at_the_status_never_waited_for_in_a_window(loopback):
+    """Through sglang's real MooncakeTransferEngine over TCP: a room's middle chunk and last
+    chunk, each in long transfers whose windows digest what was queued, with sums that (like the
+    GPU's) are not ready while the windows run. No window waits for them: the middle chunk's
+    are parked for later, and the worker goes on; the status reads every chunk's sums (waiting
+    for the GPU) before the room's aux goes out, and the decode rank's sums are every sent
+    byte's."""
+    import threading
+
+    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks, BufferKind, buffer_key
+    from sglang_dflash_pp.srt.disaggregation.kv_digest import decode, digest_blocks_host
+
+    engine, b = loopback
+    b.dst[:] = 0
+    ready = threading.Event()
+    failures, sent, calls, order = [], [], [], []
+    session, regs, manager = _window_manager(engine, b, failures, sent, calls, order, ready=ready)
+    digest = manager._dflash_kv_digest
+    src, dst = b.src.ctypes.data, b.dst.ctypes.data
+    req = types.SimpleNamespace(is_dummy=False, mooncake_session_id=session, room=11,
+                                required_dst_info_num=1, endpoint="127.0.0.1", dst_port=1)
+    manager.transfer_infos = {11: {session: req}}
+    manager.request_status[11] = KVPoll.Transferring
+    original, stock_calls = _stock_sync()
+    chunks = [[(0, 0, 2048), (2048, 2048, 2048)], [(4096, 4096, 2048), (6144, 6144, 2048)]]
+    timer = threading.Timer(0.3, lambda: (order.append("ready"), ready.set()))
+    for i, chunk in enumerate(chunks):
+        last = i == len(chunks) - 1
+        mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(
+            room=11, wait_event=None, is_last_chunk=last))  # fmt: skip
+        try:
+            with kv_digest_send.scope(manager, session, None):
+                for s, d, n in chunk:
+                    assert kv_digest_send.batch_transfer_sync_around(
+                        original, engine, session, [src + s], [dst + d], [n]) == 0
+            if last:
+                assert not [e for e in order if e[0] == "read"]  # no window waited
+                timer.start()
+                kv_digest_send.send_aux_around(lambda *a, **k: order.append("aux"), manager, req)
+        finally:
+            mooncake_draft_kv.end_chunk()
+        if not last:
+            assert len(digest._parked) == 1 and digest._parked[0].unsettled
+    timer.join()
+    assert failures == [] and stock_calls == [] and (b.dst[:8192] == b.src[:8192]).all()
+    assert order.index("ready") < order.index("aux")
+    reads = [e for e in order if isinstance(e, tuple) and e[0] == "read"]
+    assert sorted(reads) == [("read", 2048)] * 4 and order[-1] == "aux"
+    assert max(order.index(r) for r in reads) < order.index("aux")
+    assert digest._parked == [] and digest._sums == {}
+    keys = [buffer_key(BufferKind.KV, 0), buffer_key(BufferKind.KV, 1), buffer_key(BufferKind.STATE, 0)]
+    want = digest_blocks_host(Blocks.of([src], [0], 8192, 0), keys)
+    assert len(sent) == 1 and decode(sent[0]).sums == {(int(BufferKind.KV), 0): int(want[0])}
+
+
+def test_with_windows_a_digest_the_kernel_refuses_fails_its_room_when_its_sums_are_read(loopback):
+    """A window's engine call that the kernel refuses (here: a descriptor of 2050 bytes, not whole
+    4-byte words; the host engine raises the kernel's refusal at the result as the GPU's does,
+    and here its sums are not ready while the window runs) fails its room with the reason when
+    its sums are read, before the room's status; the transfer itself completes, and stock's
+    send goes on."""
+    import threading
+
+    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
+
+    engine, b = loopback
+    b.dst[:] = 0
+    ready = threading.Event()
+    failures, sent, calls, order = [], [], [], []
+    session, regs, manager = _window_manager(engine, b, failures, sent, calls, order, ready=ready)
+    src, dst = b.src.ctypes.data, b.dst.ctypes.data
+    req = types.SimpleNamespace(is_dummy=False, mooncake_session_id=session, room=12,
+                                required_dst_info_num=1, endpoint="127.0.0.1", dst_port=1)
+    manager.transfer_infos = {12: {session: req}}
+    manager.request_status[12] = KVPoll.Transferring
+    original, _ = _stock_sync()
+    mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(room=12, wait_event=None,
+                                                                 is_last_chunk=True))  # fmt: skip
+    try:
+        with kv_digest_send.scope(manager, session, None):
+            ret = kv_digest_send.batch_transfer_sync_around(original, engine, session, [src],
+                                                            [dst], [2050])  # fmt: skip
+        assert ret == 0 and failures == []  # submitted; its sums not read yet
+        ready.set()
+        kv_digest_send.send_aux_around(lambda *a, **k: order.append("aux"), manager, req)
+    finally:
+        mooncake_draft_kv.end_chunk()
+    assert (b.dst[:2050] == b.src[:2050]).all()
+    assert [f["bootstrap_room"] for f in failures] == [12]
+    assert "4-byte words" in failures[0]["failure_reason"] and order[-1] == "aux"
+
+
 @pytest.mark.parametrize("case", ["transfer fails", "submit fails", "digest raises"])
 def test_a_transfer_with_the_digest_in_its_window_fails_as_stocks_would(loopback, case):
     """A window transfer whose descriptor Mooncake rejects returns what stock's synchronous call
@@ -791,7 +904,7 @@ def test_a_transfer_with_the_digest_in_its_window_fails_as_stocks_would(loopback
     if case == "submit fails":
         engine.engine.submit_result = 0
     if case == "digest raises":
-        manager._dflash_kv_digest.engine.digest = lambda *a, **k: (_ for _ in ()).throw(
+        manager._dflash_kv_digest.engine.submit = lambda *a, **k: (_ for _ in ()).throw(
             RuntimeError("the digest kernel failed"))
     manager.request_status[9] = KVPoll.Transferring
     mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(room=9, wait_event=None,

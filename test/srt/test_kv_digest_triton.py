@@ -181,6 +181,9 @@ class Event:
     def synchronize(self):
         pass
 
+    def query(self):
+        return True
+
 
 zeros = torch.zeros
 torch.zeros = lambda *a, pin_memory=False, device=None, **k: zeros(*a, **k)
@@ -218,7 +221,26 @@ try:
 except ValueError as e:
     raised = str(e)
 after = bool((d.digest(blocks, keys) == want).all())  # a refused call leaves nothing behind
-print(json.dumps(dict(out=out, touched=int(np.count_nonzero(want)), raised=raised, after=after)))
+# Submitted calls outnumbering the lanes, read later in reverse order, one refused among them:
+# each reads its own sums (a lane taken again reads out its unread sums first).
+d = kt.DeviceDigest(torch.device("cuda"), max_blocks=64, max_slots=8, lanes=2)
+d.warm()
+calls = []
+for i in range(5):
+    b = blocks._replace(slot=blocks.slot % (i + 1))
+    calls.append((d.submit(b, keys[: i + 1]), kd.digest_blocks_host(b, keys[: i + 1])))
+refused = d.submit(kd.Blocks.of([base], [0], 256, [5]), keys)
+calls.append((d.submit(blocks, keys), want))
+late = []
+for sums, reference in reversed(calls):
+    late.append(bool(sums.done()) and bool((sums.result() == reference).all()))
+try:
+    refused.result()
+    late_raised = None
+except ValueError as e:
+    late_raised = str(e)
+print(json.dumps(dict(out=out, touched=int(np.count_nonzero(want)), raised=raised, after=after,
+                      late=late, late_raised=late_raised)))
 """
 
 
@@ -231,6 +253,7 @@ def test_device_digest_call_path_equals_the_host_reference():
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["touched"] == 5
     assert "slot 5, outside the 5 keys" in r["raised"] and r["after"], r
+    assert r["late"] == [True] * 6 and "slot 5, outside the 5 keys" in r["late_raised"], r
     for max_blocks in ("5", "64"):  # in pieces of 5 blocks, and in one launch
         v = r["out"][max_blocks]
         assert v["equal"] and v["fewer_keys"] and v["empty"] == [0] * 5, v

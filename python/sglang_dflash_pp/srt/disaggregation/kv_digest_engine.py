@@ -5,6 +5,12 @@ and its kernel compiled, so no digest allocates, compiles or captures while serv
 One engine per KV manager; its calls are serialised by a lock (sglang's transfer workers run in
 several threads, and a digest is a few microseconds of kernel on the GPU path).
 
+A digest is submitted and its sums read later (:meth:`DigestEngine.submit`, a :class:`Sums`):
+on the GPU the submit returns once the kernel is queued, so a transfer worker that digests
+inside its transfers never waits there for the GPU; on the host the sums are computed at the
+submit. Either way ``result()`` returns the per-slot uint64 sums or raises what the digest
+raised.
+
 No sglang import.
 """
 
@@ -41,13 +47,22 @@ class DigestEngine:
     def on_gpu(self) -> bool:
         return self._gpu is not None
 
-    def digest(self, blocks: Blocks, keys: Sequence[int], wait_events=()) -> np.ndarray:
-        """Per-slot sums (uint64) of ``blocks``; ``wait_events`` are the CUDA events after which
-        the source bytes are written (the chunk's KV-write events, ``kv_write_fence``)."""
+    def submit(self, blocks: Blocks, keys: Sequence[int], wait_events=()) -> "Sums":
+        """The per-slot sums (uint64) of ``blocks``, to be read with ``result()``;
+        ``wait_events`` are the CUDA events after which the source bytes are written (the
+        chunk's KV-write events, ``kv_write_fence``). Raises only where nothing was started
+        (too many keys for the GPU's buffers)."""
         with self._lock:
             if self._gpu is not None:
-                return self._gpu.digest(blocks, keys, wait_events=wait_events)
-            return digest_blocks_host(blocks, keys)
+                return self._gpu.submit(blocks, keys, wait_events=wait_events)
+            try:
+                return Sums(digest_blocks_host(blocks, keys))
+            except Exception as e:  # noqa: BLE001 - raised where the GPU path raises: the result
+                return Sums(error=e)
+
+    def digest(self, blocks: Blocks, keys: Sequence[int], wait_events=()) -> np.ndarray:
+        """:meth:`submit`, then its result."""
+        return self.submit(blocks, keys, wait_events).result()
 
     def describe(self) -> str:
         return "Triton kernel on " + str(self.device) if self._gpu is not None else "host (numpy)"
@@ -63,3 +78,20 @@ def unsupported_state(kv_args) -> Optional[str]:
             f"transfers {', '.join(other)} state. Run without --disaggregation-enable-kv-checksum."
         )
     return None
+
+
+class Sums:
+    """Sums already computed (the host path), read as the GPU path's ``DeviceSums`` is."""
+
+    __slots__ = ("_value", "_error")
+
+    def __init__(self, value: Optional[np.ndarray] = None, error: Optional[BaseException] = None):
+        self._value, self._error = value, error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> np.ndarray:
+        if self._error is not None:
+            raise self._error
+        return self._value

@@ -14,7 +14,10 @@ Mooncake engine has the asynchronous batch API (:func:`transfer_windows`, decide
 the transfer worker itself, inside its own long transfers (:func:`_transfer_in_window`: the
 transfer submitted, what the chunk queued digested while the bytes move, one engine call per
 window, then a GIL-free wait), the tail at the room's status (:func:`flush`), so no thread of
-ours competes with the worker for the GIL. Without that API, the schedule below: on a thread
+ours competes with the worker for the GIL. An engine call only queues the kernel: no window
+waits for the GPU. Its sums are read where they are ready, in a later window (this chunk's,
+or a later chunk's for a middle chunk, which is parked: :meth:`SendDigest.park`), and at the
+latest at the room's status, which waits for every chunk's (:meth:`_Pending.settle`). Without that API, the schedule below: on a thread
 of its own (``kv_digest_thread``), while Mooncake moves bytes (its transfers release the GIL).
 The send hooks only hand it references: sglang's descriptor lists and the draft's page lists.
 The thread resolves everything queued in one pass (``kv_digest.ListResolver``: a few numpy
@@ -121,6 +124,9 @@ class SendDigest:
         self.window_min_bytes = int(os.environ.get(WINDOW_DIGEST_MIN_BYTES_ENV,
                                                    EAGER_DIGEST_MIN_BYTES))  # fmt: skip
         self.windows_used = 0  # transfers the worker digested in (logged at the first)
+        # Chunks whose sums are still on their way from the GPU (:meth:`park`): a worker's
+        # middle chunks, read in a later window or at a status (:meth:`settle_parked`).
+        self._parked: List["_Pending"] = []
 
     def add(self, room: int, session: str, tables, sums: np.ndarray) -> None:
         with self._lock:
@@ -142,6 +148,28 @@ class SendDigest:
         with self._lock:
             for key in [k for k in self._sums if k[0] == room]:
                 del self._sums[key]
+            parked = list(self._parked)
+        for p in parked:
+            p.drop_room(room)
+
+    def park(self, pending: "_Pending") -> None:
+        """``pending``'s sums, still on the GPU, are added to its rooms later, by whichever
+        worker settles parked chunks next (the sums are the same whoever reads them)."""
+        if pending.unsettled:
+            with self._lock:
+                self._parked.append(pending)
+
+    def settle_parked(self, block: bool) -> None:
+        """Add parked chunks' sums to their rooms: those whose kernels finished, or (``block``,
+        at a status) all of them, waiting for the GPU."""
+        with self._lock:
+            parked, self._parked = self._parked, []
+        for p in parked:
+            p.settle(block)
+        left = [p for p in parked if p.unsettled]
+        if left:
+            with self._lock:
+                self._parked.extend(left)
 
 
 def digest_of(manager) -> Optional[SendDigest]:
@@ -212,8 +240,12 @@ class _Pending:
         # This chunk's sums per part signature (:func:`_signed_parts`): a prefill rank sends the
         # same target MLA KV, at the same offsets, to each of its decode ranks, and a draft head
         # to each rank that holds it; whichever digest sees such a part first, the others reuse
-        # its sums (also across the engine calls of one last chunk).
-        self.known: Dict[Tuple, np.ndarray] = {}
+        # its sums (also across the engine calls of one last chunk). Each as (the engine call's
+        # sums, still on their way from the GPU, where its slots begin, how many).
+        self.known: Dict[Tuple, Tuple[object, int, int]] = {}
+        # Parts digested whose sums are not added to their rooms yet (:meth:`settle`): the
+        # manager, room, decode session, registration tables and signature of each.
+        self.adds: List[Tuple] = []
         # State sends prepared at the chunk's start (:func:`prepare_states`): sglang's lists as
         # tuples -> (blocks, signature), their sums in ``known``.
         self.prepared: Dict[Tuple, Tuple[Blocks, Tuple]] = {}
@@ -243,6 +275,44 @@ class _Pending:
             self.items, self.manager, self.written = [], None, ()
         return taken
 
+    @property
+    def unsettled(self) -> bool:
+        return bool(self.adds)
+
+    def defer(self, manager, room: int, session: str, tables, signature) -> None:
+        with self._lock:
+            self.adds.append((manager, room, session, tables, signature))
+
+    def drop_room(self, room: int) -> None:
+        with self._lock:
+            self.adds = [a for a in self.adds if a[1] != room]
+
+    def settle(self, block: bool) -> None:
+        """Add the digested parts' sums to their rooms: those whose engine call finished, or
+        (``block``) all of them, waiting for it. A part whose digest raised fails its room (once
+        per decode rank), naming the reason."""
+        with self._lock:
+            ready, waiting, done = [], [], {}
+            for a in self.adds:
+                sums = self.known[a[4]][0]
+                if block or done.setdefault(id(sums), sums.done()):
+                    ready.append(a)
+                else:
+                    waiting.append(a)
+            self.adds = waiting
+        failed = set()
+        for manager, room, session, tables, signature in ready:
+            sums, base, n = self.known[signature]
+            try:
+                value = sums.result()[base : base + n]
+            except Exception as e:  # noqa: BLE001 - the kernel refused a block: this room's
+                if (room, session) not in failed:
+                    failed.add((room, session))
+                    _fail(manager, room, session, e)
+                continue
+            if (room, session) not in failed:
+                digest_of(manager).add(room, session, tables, value)
+
     def digest_during(self, session: str, handed_before: set) -> bool:
         """Whether a long transfer to ``session`` should hide an engine call over what is
         queued, on a last chunk: its status waits for whatever the thread has not digested when
@@ -268,15 +338,15 @@ class _Pending:
         return False
 
     def digest(self) -> None:
-        """Digest what is queued (nothing: no job): here in the synchronous design, else on the
-        digest thread."""
+        """Digest what is queued (nothing: no job) and add its sums to the rooms: here in the
+        synchronous design, else on the digest thread."""
         manager = self.manager
         if manager is None:
             return
         if self.inline:
-            _digest_pending(self)
+            _digest_and_settle(self)
         else:
-            digest_of(manager).thread.submit(_digest_pending, self)
+            digest_of(manager).thread.submit(_digest_and_settle, self)
 
 
 def _pending() -> _Pending:
@@ -441,7 +511,8 @@ def captured_transfer(session_id, buffers, peer_buffer_addresses, lengths) -> bo
 
 def _known_sums(pending: _Pending, manager, parts, written) -> bool:
     """Digest the ``parts`` whose sums ``pending`` does not know yet, in one engine call, into
-    ``pending.known``; False (their rooms failed) if the call raised."""
+    ``pending.known`` (the call's sums are read later: :meth:`_Pending.settle`); False (their
+    rooms failed) if the call could not be started."""
     todo: Dict[Tuple, Tuple[Blocks, List[int]]] = {}
     for _, _, registration, blocks, signature in parts:
         if signature not in pending.known and signature not in todo:
@@ -455,19 +526,19 @@ def _known_sums(pending: _Pending, manager, parts, written) -> bool:
         shifted.append(blocks._replace(slot=blocks.slot + len(keys)))
         keys.extend(reg_keys)
     try:
-        sums = digest_of(manager).engine.digest(Blocks.concat(shifted), keys, wait_events=written)
+        sums = digest_of(manager).engine.submit(Blocks.concat(shifted), keys, wait_events=written)
     except Exception as e:
         for room, session in {(r, s) for r, s, _, _, _ in parts}:
             _fail(manager, room, session, e)
         return False
     for signature, (base, n) in bases.items():
-        pending.known[signature] = sums[base : base + n]
+        pending.known[signature] = (sums, base, n)
     return True
 
 
 def _digest_pending(pending: _Pending) -> None:
     """Resolve and digest every send ``pending`` holds, in one engine call (parts whose sums this
-    chunk already knows: none), and add the sums to their rooms."""
+    chunk already knows: none); their sums are added to the rooms by :meth:`_Pending.settle`."""
     items, manager, written = pending.take()
     digest = digest_of(manager) if manager is not None else None
     if digest is None or not items:
@@ -484,7 +555,14 @@ def _digest_pending(pending: _Pending) -> None:
     if not _known_sums(pending, manager, parts, written):
         return
     for room, session, registration, _, signature in parts:
-        digest.add(room, session, tables_of(registration), pending.known[signature])
+        pending.defer(manager, room, session, tables_of(registration), signature)
+
+
+def _digest_and_settle(pending: _Pending) -> None:
+    """The digest thread's job (and the synchronous design's): digest what is queued, then wait
+    for its sums and add them."""
+    _digest_pending(pending)
+    pending.settle(block=True)
 
 
 def flush(manager) -> bool:
@@ -497,10 +575,12 @@ def flush(manager) -> bool:
     pending = _pending()
     if digest.windows and not pending.inline:
         pending.prep = None  # the state send went out: its lists are queued
-        _digest_window(pending)  # the tail, here: nothing hides it, and no hand-over to wait for
+        _digest_window(pending, digest)  # the tail, here: nothing hides it, no hand-over to wait for
     else:
         pending.digest()
     if digest.thread.idle or digest.thread.wait(_wait_bound_s()):  # earlier chunks' jobs
+        pending.settle(block=True)  # the GPU's sums of this chunk and of earlier ones
+        digest.settle_parked(block=True)
         return True
     error = RuntimeError(
         f"the digest thread did not finish this chunk's digest in {_wait_bound_s():g} s "
@@ -521,9 +601,23 @@ def end_chunk(manager) -> None:
     chunk starts its own, whose bytes are other bytes)."""
     p = getattr(_scope, "pending", None)
     _scope.pending = None
-    if p is not None and digest_of(manager) is not None:
-        p.digest()  # a flushed chunk's: nothing left
+    digest = digest_of(manager)
+    if p is not None and digest is not None:
+        if digest.windows and not p.inline:
+            # its sums are read in a later window or at a status, not waited for here
+            if p.items:
+                digest.thread.submit(_digest_and_park, p, digest)
+            else:
+                digest.park(p)
+        else:
+            p.digest()  # a flushed chunk's: nothing left
     _aux().clear()
+
+
+def _digest_and_park(pending: _Pending, digest: SendDigest) -> None:
+    """The digest thread's job for what a worker's chunk queued after its last window."""
+    _digest_pending(pending)
+    digest.park(pending)
 
 
 class _Scope:
@@ -631,8 +725,8 @@ def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths)
             and nbytes >= digest.window_min_bytes
             and (own.items or own.prep is not None)
         ):
-            return _transfer_in_window(engine, own, session_id, buffers, peer_buffer_addresses,
-                                       lengths)  # fmt: skip
+            return _transfer_in_window(engine, own, digest, session_id, buffers,
+                                       peer_buffer_addresses, lengths)  # fmt: skip
         return None
     if nbytes >= WINDOW_MIN_BYTES:
         if (
@@ -655,8 +749,8 @@ def transfer_windows(engine) -> bool:
     )
 
 
-def _transfer_in_window(engine, pending: _Pending, session_id, buffers, peer_buffer_addresses,
-                        lengths) -> Optional[int]:  # fmt: skip
+def _transfer_in_window(engine, pending: _Pending, digest: SendDigest, session_id, buffers,
+                        peer_buffer_addresses, lengths) -> Optional[int]:  # fmt: skip
     """One transfer of the worker's chunk, submitted to Mooncake asynchronously; while the bytes
     move, the worker digests what its chunk queued so far (:func:`_digest_window`), then waits
     for the transfer without the GIL. Its result is sglang's synchronous call's: 0 when every
@@ -670,14 +764,12 @@ def _transfer_in_window(engine, pending: _Pending, session_id, buffers, peer_buf
         batch = 0
     if not batch:
         return None
-    digest = digest_of(pending.manager) if pending.manager is not None else None
-    if digest is not None and not digest.windows_used:
+    if not digest.windows_used:
         logger.info("KV checksum: the transfer worker digests inside its transfers (the first: "
                     "%d bytes to %s)", sum(lengths), session_id)  # fmt: skip
-    if digest is not None:
-        digest.windows_used += 1
+    digest.windows_used += 1
     try:
-        _digest_window(pending)
+        _digest_window(pending, digest)
     finally:
         try:
             ret = int(te.get_batch_transfer_status([batch]))
@@ -687,10 +779,11 @@ def _transfer_in_window(engine, pending: _Pending, session_id, buffers, peer_buf
     return ret
 
 
-def _digest_window(pending: _Pending) -> None:
-    """The worker's digest while its transfer moves, one engine call per window (each costs
-    ~0.1-0.3 ms of host and GPU time; two outlast a short window): everything queued, or, in the
-    chunk's second window, its state send prepared (what is queued waits for the next window).
+def _digest_window(pending: _Pending, digest: SendDigest) -> None:
+    """The worker's digest while its transfer moves, one engine call per window, which does not
+    wait for the GPU: everything queued, or, in the chunk's second window, its state send
+    prepared (what is queued waits for the next window); then the sums of earlier engine calls
+    whose kernels finished are added to their rooms (this chunk's, and chunks parked before it).
     Never raises into the transfer: a failure fails the chunk's rooms with its reason."""
     manager = pending.manager
     pending.windows += 1
@@ -699,8 +792,10 @@ def _digest_window(pending: _Pending) -> None:
             prep, pending.prep = pending.prep, None
             manager = prep[0]
             _prepare_states(pending, *prep)
-            return
-        _digest_pending(pending)
+        else:
+            _digest_pending(pending)
+        pending.settle(block=False)
+        digest.settle_parked(block=False)
     except Exception as e:  # noqa: BLE001 - its rooms fail; the transfer and the server go on
         logger.exception("KV digest in a transfer's window failed")
         room = transfer_chunk.room_of(manager) if manager is not None else None

@@ -28,12 +28,13 @@ takes a general masked path that hashes both candidate high halves per unit. The
 refuses, block by block, what would fault or hash otherwise than the host reference (see
 :func:`refusal`), so the host does no validation pass.
 
-:class:`DeviceDigest` is the serving form: every buffer (one pinned buffer for a call's input and
-output and its device twin, its stream) is allocated at construction and the kernel compiled by
-:meth:`DeviceDigest.warm`, so a digest allocates nothing and compiles nothing while serving
-(``benchmark/gpu/results/kv_digest_cost.json``: 0 allocations and 0 compiles in 100 digests; the
-kernel digests a chunk of the example in 2.5% of its transfer time at 50 GB/s, one call of this
-class in about 4.6%; the whole send path, host work included, costs more: see that file).
+:class:`DeviceDigest` is the serving form: every buffer (a few pinned buffers for calls' input
+and output and their device twins, its stream, its events) is allocated at construction and the
+kernel compiled by :meth:`DeviceDigest.warm`, so a digest allocates nothing and compiles nothing
+while serving (``benchmark/gpu/results/kv_digest_cost.json``: 0 allocations and 0 compiles in 100
+digests; the kernel digests a chunk of the example in 2.5% of its transfer time at 50 GB/s; the
+whole send path, host work included, costs more: see that file). Its calls do not wait for the
+GPU: the sums are read when they are needed (:class:`DeviceSums`).
 
 Importable without Triton (``available()`` says whether it can run); no sglang import.
 """
@@ -335,27 +336,92 @@ def _even(i: int) -> int:
 STATUS = 2  # int64 words before the sums: the kernel's status, and alignment
 
 
+class Lane:
+    """One call's pinned input/output buffer and its device twin, ``[status | sums | keys |
+    columns (7n) | shared blocks]``, and the events that say when each may be used again."""
+
+    __slots__ = ("host", "host_np", "dev", "uploaded", "done", "sums")
+
+    def __init__(self, size: int, device):
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros(size, dtype=torch.int64, device=device)
+        self.uploaded = torch.cuda.Event()  # the pinned table may be refilled once it is set
+        self.done = torch.cuda.Event()  # the status and sums reached the pinned buffer
+        self.sums: Optional["DeviceSums"] = None  # the call whose sums it holds, not yet read
+
+
+class DeviceSums:
+    """The per-slot sums of one :meth:`DeviceDigest.submit`, on their way to the host: ``done()``
+    asks without waiting, ``result()`` waits for the call's event (the GIL released) and returns
+    the uint64 sums, or raises ValueError for a block the kernel refused."""
+
+    __slots__ = ("_digest", "_lane", "_blocks", "_n_keys", "_value", "_error")
+
+    def __init__(self, digest: "DeviceDigest", lane: Lane, blocks: Blocks, n_keys: int):
+        self._digest, self._lane, self._blocks, self._n_keys = digest, lane, blocks, n_keys
+        self._value: Optional[np.ndarray] = None
+        self._error: Optional[str] = None
+
+    def done(self) -> bool:
+        lane = self._lane
+        return lane is None or lane.sums is not self or lane.done.query()
+
+    def result(self) -> np.ndarray:
+        lane = self._lane
+        if lane is not None:
+            lane.done.synchronize()  # outside the lock: a later submit may take the lane meanwhile
+            with self._digest._lock:
+                self._collect()
+        if self._error is not None:
+            raise ValueError(self._error)
+        return self._value
+
+    def _collect(self) -> None:
+        """Copy the sums out of the lane and give it back (the caller holds the digest's lock;
+        the lane's ``done`` event has completed, or is waited for here)."""
+        lane = self._lane
+        if lane is None or lane.sums is not self:
+            return
+        lane.done.synchronize()
+        host = lane.host_np
+        if host[0]:
+            self._error = refusal(self._blocks, self._n_keys) or "KV digest: the kernel refused a block"
+        else:
+            self._value = host[STATUS : STATUS + self._n_keys].view(np.uint64).copy()
+        lane.sums, self._lane, self._blocks = None, None, None
+
+
 class DeviceDigest:
     """Digests on one GPU with every buffer allocated at construction (startup).
 
     ``max_blocks`` bounds the rows uploaded per launch (longer tables go in pieces, summed into
     the same sums); ``max_slots`` bounds the keys of one call (more is refused). One stream of its
     own, so a digest never queues behind the forward; which forward work it must follow is named
-    by the events the caller passes. Calls are serialised by a lock (the pinned buffer is
-    shared), and each call returns only after its sums reached the host.
+    by the events the caller passes.
 
-    One pinned buffer and its device twin hold a call's whole input and output, ``[status | sums
-    | keys | columns (7n) | shared blocks]``, so a launch costs one upload (no separate key copy
-    and no zeroing launch: the upload writes the status and sums' zeros) and one download of the
-    status and sums. The table is validated by the kernel (a bad block is skipped and reported
-    in the status; the call then raises ValueError), not by the host: the host's part of a call
-    is the table's seven column copies and the split.
+    :meth:`submit` never waits for the GPU: it fills one of ``lanes`` pinned buffers, uploads it,
+    launches, queues the sums' download into the same buffer and records the lane's ``done``
+    event; the caller reads the sums later (:class:`DeviceSums`). Why: a prefill's transfer worker
+    digests inside its own transfers, and waiting there for the kernel (after the GPU idled
+    while the bytes moved, a launch's latency on an H200 host is several times its work) is what
+    made those windows outlast the transfers (``benchmark/gpu/results``). A submit finding every
+    lane holding unread sums reads the oldest first (its event long done, as a later launch on
+    the same stream follows it). :meth:`digest` is a submit and its result.
+
+    Each lane holds a call's whole input and output, so a launch costs one upload (no separate
+    key copy and no zeroing launch: the upload writes the status and sums' zeros) and one
+    download of the status and sums. The table is validated by the kernel (a bad block is
+    skipped and reported in the status; the result then raises ValueError), not by the host:
+    the host's part of a call is the table's seven column copies and the split.
 
     The table holds addresses, not tensors: whoever builds blocks must keep their memory alive
-    until ``digest`` returns."""
+    until the sums are read."""
+
+    LANES = 4
 
     def __init__(self, device, max_blocks: int = 1 << 15, max_slots: int = 1024, *,
-                 block_rows: int = BLOCK_R, num_warps: int = NUM_WARPS):
+                 block_rows: int = BLOCK_R, num_warps: int = NUM_WARPS, lanes: int = LANES):
         if triton is None:
             raise RuntimeError("the GPU KV digest needs Triton")
         self.device = torch.device(device)
@@ -366,12 +432,10 @@ class DeviceDigest:
         self.max_blocks, self.max_slots = int(max_blocks), int(max_slots)
         self.block_rows, self.num_warps = int(block_rows), int(num_warps)
         size = STATUS + 2 * _even(self.max_slots) + _even(COLUMNS * self.max_blocks) + self.max_blocks
-        self.host_buffer = torch.zeros(size, dtype=torch.int64, pin_memory=True)
-        self.buffer = torch.zeros(size, dtype=torch.int64, device=self.device)
-        self._host_np = self.host_buffer.numpy()
+        self.lanes = [Lane(size, self.device) for _ in range(max(1, int(lanes)))]
+        self._next = 0
         self._warm_words = torch.zeros(32 * BLOCK_C, dtype=torch.int32, device=self.device)
         self.stream = torch.cuda.Stream(self.device)
-        self._uploaded = torch.cuda.Event()  # the pinned buffer may be refilled once it is set
         self._lock = threading.Lock()
         self._keys = (None, None)  # the last keys list and its int64 form
         self.warmed = False
@@ -383,11 +447,16 @@ class DeviceDigest:
         self._compiled = None
         self.trace = None  # a list to time the steps of each call (benchmark/gpu/kv_digest_cost.py)
 
+    @property
+    def nbytes(self) -> int:
+        """Pinned host memory, and as much device memory, that the lanes hold."""
+        return sum(lane.host.numel() * 8 for lane in self.lanes)
+
     def warm(self) -> None:
         """Compile the kernel with a tiny digest (a 16-byte aligned block of two tiles: the fast
         path, and a 4-byte aligned one: the general path) at startup, so nothing compiles while serving
         (block counts, the split and the strides are run-time arguments: one variant), and
-        choose how to launch it."""
+        choose how to launch it; every lane is used once."""
         base, n = self._warm_words.data_ptr(), self._warm_words.numel() * 4
         blocks = Blocks.of([base, base + 4], [0, n], [n, n - 4], [0, 1])
         self._direct = None
@@ -395,7 +464,7 @@ class DeviceDigest:
         for extra in ((self.block_rows, BLOCK_C), ()):  # the launcher's forms, by Triton version
             self._direct = (self._compiled, extra)
             try:
-                if (self.digest(blocks, [1, 2]) == want).all():
+                if all((self.digest(blocks, [1, 2]) == want).all() for _ in self.lanes):
                     break
             except Exception:  # noqa: BLE001 - another form: the JIT's launch serves
                 pass
@@ -428,21 +497,38 @@ class DeviceDigest:
         self._keys = (list(keys), arr)
         return arr
 
+    def _lane(self) -> Lane:
+        """The next lane, its unread sums (if any) read out first (lock held)."""
+        lane = self.lanes[self._next]
+        self._next = (self._next + 1) % len(self.lanes)
+        if lane.sums is not None:
+            lane.sums._collect()
+        return lane
+
     def digest(self, blocks: Blocks, keys: Sequence[int], wait_events=()) -> np.ndarray:
-        """Per-slot uint64 sums (``len(keys)``) of ``blocks`` over device memory.
+        """Per-slot uint64 sums (``len(keys)``) of ``blocks``: :meth:`submit`, then its result."""
+        sums = self.submit(blocks, keys, wait_events).result()
+        self._mark("returned")
+        return sums
+
+    def submit(self, blocks: Blocks, keys: Sequence[int], wait_events=()) -> DeviceSums:
+        """Launch the digest of ``blocks`` over device memory (per-slot sums, ``len(keys)``) and
+        return without waiting for it.
 
         ``wait_events`` are the KV-written events of the chunk (the forward's writes of every
         byte the blocks read): the digest stream waits on each before reading, so every
         cross-stream read names the event it waits on. None is needed only for memory no other
-        stream writes. Raises ValueError for a table the kernel refused (see :func:`refusal`)."""
+        stream writes. Raises ValueError, before any work, for more keys than ``max_slots``; a
+        table the kernel refuses (see :func:`refusal`) raises at the result."""
         n_keys = len(keys)
         if n_keys > self.max_slots:
             raise ValueError(
                 f"a KV digest of {n_keys} slots exceeds this DeviceDigest's {self.max_slots} "
                 "(max_slots is fixed at startup, where its buffers are allocated)"
             )
-        host, dev = self._host_np, self.buffer
         with self._lock:
+            lane = self._lane()
+            host, dev = lane.host_np, lane.dev
             keys_np = self._keys_np(keys)
             with torch.cuda.stream(self.stream):
                 self._mark("start")
@@ -452,6 +538,7 @@ class DeviceDigest:
                 # uploads it all (the status' and sums' zeros too), later pieces their table.
                 keys_at = STATUS + _even(n_keys)
                 cols_at = keys_at + _even(n_keys)
+                # the lane's previous sums were read (``_lane``): its upload left the buffer
                 host[: STATUS + n_keys] = 0
                 host[keys_at : keys_at + n_keys] = keys_np
                 status, sums, keys_dev = dev[:1], dev[STATUS:], dev[keys_at : keys_at + n_keys]
@@ -459,24 +546,21 @@ class DeviceDigest:
                     hi = min(lo + self.max_blocks, blocks.count)
                     n = hi - lo
                     if lo:
-                        self._uploaded.synchronize()  # the previous piece left the buffer
+                        lane.uploaded.synchronize()  # the previous piece left the buffer
                     split_at = cols_at + _even(COLUMNS * n)
                     plan = fill_table(blocks, lo, hi, host[cols_at : cols_at + COLUMNS * n],
                                       host[split_at:])  # fmt: skip
                     self._mark("filled")
                     first, end = (0 if not lo else cols_at), split_at + plan.n_split
-                    dev[first:end].copy_(self.host_buffer[first:end], non_blocking=True)
-                    self._uploaded.record(self.stream)
+                    dev[first:end].copy_(lane.host[first:end], non_blocking=True)
+                    lane.uploaded.record(self.stream)
                     self._mark("uploaded")
                     if n:
                         self._launch(column_table(dev[cols_at:], n), keys_dev, sums, status, n,
                                      dev[split_at:], plan)  # fmt: skip
                     self._mark("launched")
-                self.host_buffer[: STATUS + n_keys].copy_(dev[: STATUS + n_keys], non_blocking=True)
+                lane.host[: STATUS + n_keys].copy_(dev[: STATUS + n_keys], non_blocking=True)
+                lane.done.record(self.stream)
                 self._mark("downloaded")
-                self.stream.synchronize()
-                if host[0]:
-                    raise ValueError(refusal(blocks, n_keys) or "KV digest: the kernel refused a block")
-                out = host[STATUS : STATUS + n_keys].view(np.uint64).copy()
-                self._mark("returned")
-                return out
+            lane.sums = DeviceSums(self, lane, blocks, n_keys)
+            return lane.sums
