@@ -1246,15 +1246,17 @@ def run(args):
             host.append(time.perf_counter() - t0)
     results["host_prep"] = dict(wall_s=summary(host))
 
-    # The kernel alone, the chunk's table on the device as the call left it.
+    # The kernel alone, the chunk's table on the device as the call left it (in the lane it
+    # took: the last one used).
     dig.digest(chunk, chunk_keys)
+    lane = dig.lanes[(dig._next - 1) % len(dig.lanes)]
     plan = kt.fill_table(chunk, 0, chunk.count, cols, shared)
     nk = len(chunk_keys)
     keys_at = kt.STATUS + nk + nk % 2  # DeviceDigest's layout: [status | sums | keys | columns | shared]
     cols_at = keys_at + nk + nk % 2
-    table = kt.column_table(dig.buffer[cols_at:], chunk.count)
-    split_dev = dig.buffer[cols_at + 7 * chunk.count + (7 * chunk.count) % 2 :]
-    keys_dev, sums_dev, status_dev = dig.buffer[keys_at : keys_at + nk], dig.buffer[kt.STATUS :], dig.buffer[:1]
+    table = kt.column_table(lane.dev[cols_at:], chunk.count)
+    split_dev = lane.dev[cols_at + 7 * chunk.count + (7 * chunk.count) % 2 :]
+    keys_dev, sums_dev, status_dev = lane.dev[keys_at : keys_at + nk], lane.dev[kt.STATUS :], lane.dev[:1]
 
     def kernel(block_rows, num_warps, program_bytes):
         p = kt.plan_split(cols[2 * chunk.count : 3 * chunk.count], cols[3 * chunk.count : 4 * chunk.count],
@@ -1291,17 +1293,17 @@ def run(args):
         return summary(samples)
 
     end = cols_at + 7 * chunk.count + (7 * chunk.count) % 2 + plan.n_split
-    micro = dict(pinned=[dig.host_buffer.is_pinned(), dig.host_buffer[8:end].is_pinned()],
+    micro = dict(pinned=[lane.host.is_pinned(), lane.host[8:end].is_pinned()],
                  upload_bytes=end * 8, direct_launch=dig._direct is not None)  # fmt: skip
     with torch.cuda.stream(dig.stream):
         micro["upload_call"] = host_time(
-            lambda: dig.buffer[:end].copy_(dig.host_buffer[:end], non_blocking=True))
+            lambda: lane.dev[:end].copy_(lane.host[:end], non_blocking=True))
         micro["launch_call_jit"] = host_time(
             lambda: kt.launch(table, keys_dev, sums_dev, chunk.count, split_dev, plan, status_dev))
         micro["launch_call_shipped"] = host_time(
             lambda: dig._launch(table, keys_dev, sums_dev, status_dev, chunk.count, split_dev, plan))
         micro["download_and_sync"] = host_time(
-            lambda: (dig.host_buffer[: kt.STATUS + nk].copy_(dig.buffer[: kt.STATUS + nk], non_blocking=True),
+            lambda: (lane.host[: kt.STATUS + nk].copy_(lane.dev[: kt.STATUS + nk], non_blocking=True),
                      dig.stream.synchronize()))  # fmt: skip
 
     def stream_context():

@@ -112,6 +112,30 @@ def one_chunk(sp, room, event, on, last=True):
                 resolves=rel(resolves))  # fmt: skip
 
 
+def submit_steps(sp, rooms, kv_written, args):
+    """Where an engine call's host time goes inside a last chunk's windows, a separate pass (the
+    marks record CUDA events: not in the timelines above): ``DeviceDigest``'s marks, host clock,
+    each step's time from the mark before it, per submit; medians over the pass's submits."""
+    import provenance
+
+    dig = sp.engine._gpu
+    steps = {}
+    for i in range(args.warmup + args.reps // 2):
+        dig.trace = []
+        try:
+            one_chunk(sp, next(rooms), kv_written(), True, True)
+        finally:
+            trace, dig.trace = dig.trace, None
+        if i < args.warmup:
+            continue
+        prev = None
+        for label, t, _ in trace:
+            if label != "start" and prev is not None:
+                steps.setdefault(label, []).append(t - prev)
+            prev = t
+    return {k: provenance.summary(v) for k, v in steps.items()}
+
+
 def window_split(c):
     """The worker's windows of a chunk against the transfers they ran in (seconds): how many,
     their time, its resolving and engine calls, and by how much they outlasted the time their
@@ -311,6 +335,7 @@ def main():
 
     summary, kept = timelines(True)
     middle, middle_kept = timelines(False)
+    steps = submit_steps(sp, rooms, kv_written, args) if on_gpu else None
     result = dict(
         provenance=provenance.record(
             repetitions=args.reps, warmup=args.warmup, timed_sources=cost.TIMED,
@@ -322,11 +347,13 @@ def main():
                   "thread's jobs, the engine calls, the worker's windows and their resolving"),
         link_wait=dict(used=args.wait, **cost.link_wait.describe()),
         summary=summary, timelines=kept,
-        middle=dict(summary=middle, timelines=middle_kept))  # fmt: skip
+        middle=dict(summary=middle, timelines=middle_kept), submit_steps=steps)  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     counts = ("transfers", "transfers_ending_in_a_job", "thread_jobs", "engine_calls", "windows",
               "windows_overrun")
+    if steps:
+        print("submit steps (us):", {k: round(v["median"] * 1e6, 1) for k, v in steps.items()})
     for chunk, summ in (("last", summary), ("middle", middle)):
         for name, s in summ.items():
             print(chunk, name, {k: round(v["median"] * 1e6) if k not in counts else v["median"]

@@ -527,11 +527,12 @@ class DeviceDigest:
                 "(max_slots is fixed at startup, where its buffers are allocated)"
             )
         with self._lock:
+            self._mark("start")
             lane = self._lane()
+            self._mark("lane")
             host, dev = lane.host_np, lane.dev
             keys_np = self._keys_np(keys)
             with torch.cuda.stream(self.stream):
-                self._mark("start")
                 for e in wait_events:
                     self.stream.wait_event(e)
                 # [status | sums | keys | columns (7n) | shared blocks]: the first piece
