@@ -93,6 +93,7 @@ logger = logging.getLogger(__name__)
 _ENGINE_ATTR = "_dflash_kv_digest"  # on the KV manager: the SendDigest, when on
 _TABLES_ATTR = "_dflash_kv_digest_tables"  # on a decode's KVArgsRegisterInfo
 _scope = threading.local()
+_NONE: frozenset = frozenset()
 # A transfer shorter than a job of the digest thread is no window for it: a worker that wakes
 # while the thread holds the GIL waits for the job (a state slice, a few KB, is ~1 us of link).
 WINDOW_MIN_BYTES = 1 << 20
@@ -672,9 +673,18 @@ class scope:
         if digest_of(manager) is None:
             return
         room = transfer_chunk.room_of(manager)
-        registration = (getattr(manager, "decode_kv_args_table", None) or {}).get(session)
-        if room is not None and registration is not None:
-            self._current = _Scope(manager, room, session, registration, kind)
+        if room is None:
+            return
+        # one per decode rank and kind for the worker's chunk (its sends to a rank share it)
+        memo = transfer_chunk.memo()
+        key = ("digest scope", session, kind)
+        current = memo.get(key)
+        if current is None:
+            registration = (getattr(manager, "decode_kv_args_table", None) or {}).get(session)
+            if registration is None:
+                return
+            current = memo[key] = _Scope(manager, room, session, registration, kind)
+        self._current = current
 
     def __enter__(self):
         if self._current is None:
@@ -704,7 +714,11 @@ def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths)
     current = getattr(_scope, "value", None)
     own = getattr(_scope, "pending", None)  # the chunk of this thread's worker, if it is one
     pending = current.pending if current is not None else own
-    handed_before = set(pending.handed) if pending is not None and pending.last else set()
+    manager = current.manager if current is not None else transfer_chunk.chunk_manager()
+    digest = digest_of(manager) if manager is not None else None
+    # the thread's schedule decides on the sessions handed over before this send
+    handed_before = (set(pending.handed) if digest is not None and not digest.windows
+                     and pending is not None and pending.last else _NONE)  # fmt: skip
     if (
         current is not None
         and getattr(current.manager, "engine", None) is engine
@@ -712,8 +726,6 @@ def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths)
         and len(buffers)
     ):
         current.add(buffers, peer_buffer_addresses, lengths)
-    manager = current.manager if current is not None else transfer_chunk.chunk_manager()
-    digest = digest_of(manager) if manager is not None else None
     if digest is None:
         return None
     nbytes = sum(lengths)
@@ -952,7 +964,7 @@ def add_draft_blocks(manager, session: str, send, src_pages, dst_pages, entries=
     if digest_of(manager) is None:
         return
     memo = transfer_chunk.memo()  # the chunk's pages, checked once for its decode ranks
-    checked = ("pages checked", src_pages.tobytes(), send.page_bound)
+    checked = ("pages checked", _chunk_bytes(memo, src_pages), send.page_bound)
     if checked not in memo:
         send.check_pages(src_pages)
         memo[checked] = True
@@ -965,6 +977,17 @@ def add_draft_blocks(manager, session: str, send, src_pages, dst_pages, entries=
                DraftPart(entries, src_pages, dst_pages, memo))  # fmt: skip
 
 
+def _chunk_bytes(memo: dict, pages: np.ndarray) -> bytes:
+    """``pages.tobytes()``, once per array for the chunk (``memo``: the worker's chunk memo,
+    which keeps the array alive, so its id is not reused while the chunk lasts): the draft send
+    passes every decode rank the chunk's same page arrays."""
+    key = ("page bytes", id(pages))
+    hit = memo.get(key)
+    if hit is None or hit[0] is not pages:
+        hit = memo[key] = (pages, pages.tobytes())
+    return hit[1]
+
+
 class DraftPart:
     """The blocks of one draft send, built where the chunk is digested, once per chunk for the
     decode ranks that share ``entries`` (interned by :func:`draft_digest_entries_of`); its
@@ -974,7 +997,8 @@ class DraftPart:
 
     def __init__(self, entries: DigestEntries, src_pages, dst_pages, memo):
         self.entries, self.src_pages, self.dst_pages, self.memo = entries, src_pages, dst_pages, memo
-        self.signature = ("draft", id(entries), src_pages.tobytes(), dst_pages.tobytes())
+        self.signature = ("draft", id(entries), _chunk_bytes(memo, src_pages),
+                          _chunk_bytes(memo, dst_pages))  # fmt: skip
 
     def blocks(self) -> Blocks:
         blocks = self.memo.get(self.signature)
