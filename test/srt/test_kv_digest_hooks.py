@@ -847,6 +847,44 @@ def test_with_windows_the_gpus_sums_are_read_at_the_status_never_waited_for_in_a
     assert len(sent) == 1 and decode(sent[0]).sums == {(int(BufferKind.KV), 0): int(want[0])}
 
 
+def test_with_windows_a_failed_rooms_parked_sums_are_dropped_not_added_later(loopback):
+    """A room's middle chunk is parked with its sums still on the GPU; the room then fails
+    (sglang marks it Failed) and its next chunk's begin drops what the room had: its parked
+    sums too, so reading them later adds nothing (no sums kept for a room that will never send
+    its status), while another room's parked sums still are added."""
+    import threading
+
+    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
+
+    engine, b = loopback
+    ready = threading.Event()
+    failures, sent, calls, order = [], [], [], []
+    session, regs, manager = _window_manager(engine, b, failures, sent, calls, order, ready=ready)
+    digest = manager._dflash_kv_digest
+    src, dst = b.src.ctypes.data, b.dst.ctypes.data
+    original, _ = _stock_sync()
+    for room, at in ((21, 0), (22, 4096)):
+        manager.request_status[room] = KVPoll.Transferring
+        mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(
+            room=room, wait_event=None, is_last_chunk=False))  # fmt: skip
+        try:
+            with kv_digest_send.scope(manager, session, None):
+                assert kv_digest_send.batch_transfer_sync_around(
+                    original, engine, session, [src + at], [dst + at], [2048]) == 0
+        finally:
+            mooncake_draft_kv.end_chunk()
+    assert len(digest._parked) == 2 and digest._sums == {}
+    manager.request_status[21] = KVPoll.Failed
+    mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(room=21, wait_event=None,
+                                                                 is_last_chunk=True))  # fmt: skip
+    mooncake_draft_kv.end_chunk()
+    assert digest.thread.wait(10)  # forget_room ran (a job, after the room's earlier ones)
+    ready.set()
+    digest.settle_parked(block=True)
+    assert failures == [] and digest._parked == []
+    assert list(digest._sums) == [(22, session)]
+
+
 def test_with_windows_a_digest_the_kernel_refuses_fails_its_room_when_its_sums_are_read(loopback):
     """A window's engine call that the kernel refuses (here: a descriptor of 2050 bytes, not whole
     4-byte words; the host engine raises the kernel's refusal at the result as the GPU's does,
