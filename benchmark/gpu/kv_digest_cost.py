@@ -491,7 +491,7 @@ class SendPath:
         self.src_pages, self.dst_pages = pages[0], pages[1]
         self.failures = []
         t0 = time.perf_counter()
-        engine = DigestEngine(device)
+        engine = DigestEngine(device, lanes=kds.SEND_LANES)  # as start_send_digest builds it
         self.startup_s = time.perf_counter() - t0
         self.mooncake = SimpleNamespace(name="the manager's MooncakeTransferEngine",
                                         engine=EmulatedLink())  # fmt: skip
@@ -789,7 +789,9 @@ def run(args):
     link_s = chunk_bytes / LINK_BPS
 
     t0 = time.perf_counter()
-    dig = kt.DeviceDigest(dev, max_blocks=args.max_blocks, max_slots=args.max_slots)
+    from sglang_dflash_pp.srt.disaggregation.kv_digest_send import SEND_LANES
+
+    dig = kt.DeviceDigest(dev, max_blocks=args.max_blocks, max_slots=args.max_slots, lanes=SEND_LANES)
     dig.warm()
     torch.cuda.synchronize()
     startup_s = time.perf_counter() - t0

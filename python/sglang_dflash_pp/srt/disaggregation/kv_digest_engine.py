@@ -30,7 +30,7 @@ DEFAULT_MAX_BLOCKS = 65536  # per kernel launch; more are digested in pieces
 
 
 class DigestEngine:
-    def __init__(self, device, max_blocks: int = 0, max_slots: int = MAX_SLOTS):
+    def __init__(self, device, max_blocks: int = 0, max_slots: int = MAX_SLOTS, lanes: int = 1):
         import torch
 
         self.device = torch.device(device)
@@ -40,7 +40,7 @@ class DigestEngine:
             from sglang_dflash_pp.srt.disaggregation.kv_digest_triton import DeviceDigest
 
             blocks = max_blocks or int(os.environ.get(MAX_BLOCKS_ENV, DEFAULT_MAX_BLOCKS))
-            self._gpu = DeviceDigest(self.device, blocks, max_slots)
+            self._gpu = DeviceDigest(self.device, blocks, max_slots, lanes=lanes)
             self._gpu.warm()
 
     @property
@@ -65,7 +65,11 @@ class DigestEngine:
         return self.submit(blocks, keys, wait_events).result()
 
     def describe(self) -> str:
-        return "Triton kernel on " + str(self.device) if self._gpu is not None else "host (numpy)"
+        if self._gpu is None:
+            return "host (numpy)"
+        return (f"Triton kernel on {self.device}, {len(self._gpu.lanes)} lane(s) of "
+                f"{self._gpu.nbytes / len(self._gpu.lanes) / (1 << 20):.1f} MiB pinned and as much "
+                "on the GPU")
 
 
 def unsupported_state(kv_args) -> Optional[str]:

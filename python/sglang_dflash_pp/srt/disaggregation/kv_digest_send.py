@@ -104,6 +104,9 @@ EAGER_DIGEST_MIN_BYTES = 16 << 20
 # the worker digests what its chunk queued while the bytes move, then waits for the transfer
 # (:func:`_transfer_in_window`): the same bound as above, for the same reason.
 WINDOW_DIGEST_MIN_BYTES_ENV = "SGLANG_DFLASH_KV_DIGEST_WINDOW_MIN_BYTES"
+# Engine calls a sender keeps in flight (``DeviceDigest`` lanes): a submit finding all of them
+# unread reads the oldest first, long finished by then (a window's transfer is ~0.5 ms or more).
+SEND_LANES = 4
 
 
 class SendDigest:
@@ -1045,7 +1048,8 @@ def start_send_digest(queue) -> None:
     from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import DigestEngine
 
     device = getattr(queue.token_to_kv_pool, "device", "cpu")
-    engine = DigestEngine(device)
+    # calls in flight at once: a last chunk's windows each submit one, read at the status
+    engine = DigestEngine(device, lanes=SEND_LANES)
     sender = Sender(int(manager.pp_rank), int(manager.attn_tp_rank),
                     int(manager._prefill_unique_rank()))  # fmt: skip
     digest = SendDigest(engine, sender)

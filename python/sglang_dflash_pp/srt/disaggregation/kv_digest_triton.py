@@ -418,10 +418,8 @@ class DeviceDigest:
     The table holds addresses, not tensors: whoever builds blocks must keep their memory alive
     until the sums are read."""
 
-    LANES = 4
-
     def __init__(self, device, max_blocks: int = 1 << 15, max_slots: int = 1024, *,
-                 block_rows: int = BLOCK_R, num_warps: int = NUM_WARPS, lanes: int = LANES):
+                 block_rows: int = BLOCK_R, num_warps: int = NUM_WARPS, lanes: int = 1):
         if triton is None:
             raise RuntimeError("the GPU KV digest needs Triton")
         self.device = torch.device(device)
