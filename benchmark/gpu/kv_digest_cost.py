@@ -136,6 +136,10 @@ GOAL = 0.05
 
 
 SWITCH_INTERVAL_WHAT_IF_S = 0.0005
+# ``_busy`` variants: the GPU runs BUSY_GEMMS bf16 [BUSY_GEMM]^2 GEMMs (~1.4 ms each on an H200)
+# on another stream during the chunk, as the prefill's next forward does in serving.
+BUSY_GEMM = 8192
+BUSY_GEMMS = 9
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
@@ -436,8 +440,9 @@ class EmulatedLink:
 
 def _wait_of(mode: str) -> str:
     """The suffix of the digest-off variant a variant is compared with: the one whose emulated
-    transfers wait the same way (``_spin``: on their core)."""
-    return "_spin" if mode.endswith("_spin") else ""
+    transfers wait the same way (``_spin``: on their core) and whose GPU is as busy (``_busy``:
+    the next chunk's forward running meanwhile)."""
+    return next((sfx for sfx in ("_spin", "_busy") if mode.endswith(sfx)), "")
 
 
 def _link_parts(moved, t0, t_flush, t1) -> dict:
@@ -806,6 +811,28 @@ def run(args):
 
     forward = torch.cuda.Stream()
     flush_buf = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
+    # The next chunk's forward, as in serving (the prefill computes chunk k+1 while chunk k
+    # moves): bf16 GEMMs queued on a stream of their own just before a ``_busy`` sample, about as
+    # long as the chunk's transfers; waited for after the sample (untimed).
+    busy_stream = torch.cuda.Stream()
+    gemm = [torch.randn(BUSY_GEMM, BUSY_GEMM, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+
+    def load_gpu():
+        with torch.cuda.stream(busy_stream):
+            for _ in range(BUSY_GEMMS):
+                torch.mm(gemm[0], gemm[1], out=gemm[2])
+
+    def busy_gpu_ms():
+        """How long the queued forward keeps the GPU busy alone (ms, CUDA events)."""
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(busy_stream)
+        load_gpu()
+        b.record(busy_stream)
+        b.synchronize()
+        return a.elapsed_time(b)
+
+    busy_gpu_ms()
+    busy_alone_ms = sorted(busy_gpu_ms() for _ in range(5))[2]
 
     def kv_written():
         return l2_flush_event(torch, forward, flush_buf)
@@ -920,6 +947,9 @@ def run(args):
              # the shipped windows with every engine call waiting for its sums (the code before
              # the asynchronous engine calls, restated: ``waiting_submit``)
              "_window_waits": dict(inline=False, windows=True, window_waits=True),
+             # the GPU busy with the next chunk's forward meanwhile (``load_gpu``), both ways
+             "_busy": dict(inline=False, windows=True, busy=True),
+             "_window_waits_busy": dict(inline=False, windows=True, window_waits=True, busy=True),
              **({"_spin": dict(inline=False, windows=True, wait="spin"),
                  "_thread_spin": dict(inline=False, wait="spin"),
                  "_window_waits_spin": dict(inline=False, windows=True, window_waits=True,
@@ -929,6 +959,7 @@ def run(args):
                    "_no_prepare": ("last",), "_at_last_rank_only": ("last",),
                    "_switch_interval": ("last",), "_spin": ("middle", "last"),
                    "_thread_spin": ("middle", "last"), "_window_waits": ("middle", "last"),
+                   "_busy": ("middle", "last"), "_window_waits_busy": ("middle", "last"),
                    "_window_waits_spin": ("middle", "last")}  # fmt: skip
     shipped_prepare = kds.prepare_states
     thread_use.update({f"{w}{m}": dict(lag=[], busy=[]) for m in modes for w in mode_chunks[m]})
@@ -952,6 +983,8 @@ def run(args):
             global TRANSFERS, WAIT_UNTIL
             TRANSFERS = []
             WAIT_UNTIL = WAITS[modes[mode].get("wait", "sleep")]
+            if modes[mode].get("busy"):
+                load_gpu()
             try:
                 t0 = time.perf_counter()
                 t_flush = sp.chunk(room["now"], e, last, link_bps=LINK_BPS, digest=on,
@@ -973,6 +1006,7 @@ def run(args):
 
     def drained(last, mode=""):
         def after():
+            busy_stream.synchronize()
             lag = sp.drain()
             use = thread_use[("last" if last else "middle") + mode]
             use["lag"].append(lag)
@@ -1037,6 +1071,10 @@ def run(args):
            for m in modes for w in mode_chunks[m]},
         "over_link_middle_chunk_digest_off": (over_link(False, False), sp.stream, None),
         "over_link_last_chunk_digest_off": (over_link(True, False), sp.stream, None),
+        "over_link_middle_chunk_digest_off_busy": (over_link(False, False, "_busy"), sp.stream,
+                                                   busy_stream.synchronize),
+        "over_link_last_chunk_digest_off_busy": (over_link(True, False, "_busy"), sp.stream,
+                                                 busy_stream.synchronize),
         "shipped_send_path_middle_chunk": (shipped(False), sp.stream, pop),
         "shipped_send_path_last_chunk": (shipped(True), sp.stream, pop),
         "shipped_add_blocks_flush_middle_chunk": (prebuilt(blocks_mid), sp.stream, pop),
@@ -1056,6 +1094,8 @@ def run(args):
             lambda e: dig.digest(kd.Blocks.empty(), chunk_keys, wait_events=(e,)), dig.stream, None),
     })  # fmt: skip
     direct = dig._direct
+    results["busy_forward"] = dict(gemms=BUSY_GEMMS, shape=[BUSY_GEMM] * 3, dtype="bfloat16",
+                                   gpu_ms_alone_median_of_5=busy_alone_ms)  # fmt: skip
     link_request = (REQUEST_CHUNKS - 1) * link_mid + link_last
     for mode in ("", "_thread", "_all_inline", "_no_prepare", "_spin", "_thread_spin",
                  "_window_waits", "_window_waits_spin"):
@@ -1748,6 +1788,10 @@ def section(r, name="kv_digest_cost.json"):
             ("last", "_window_waits"): "by the worker inside its transfers, each engine call waiting for its sums (the code before the asynchronous calls, restated)",
             ("middle", "_window_waits_spin"): f"the same, each engine call waiting for its sums (restated), {link_wait.HOW['spin']}",
             ("last", "_window_waits_spin"): f"the same, each engine call waiting for its sums (restated), {link_wait.HOW['spin']}",
+            ("middle", "_busy"): "shipped, **the GPU busy with the next chunk's forward** (bf16 GEMMs on another stream), the digest off so too",
+            ("last", "_busy"): "shipped, **the GPU busy with the next chunk's forward** (bf16 GEMMs on another stream), the digest off so too",
+            ("middle", "_window_waits_busy"): "each engine call waiting for its sums (restated), the GPU busy with the next chunk's forward",
+            ("last", "_window_waits_busy"): "each engine call waiting for its sums (restated), the GPU busy with the next chunk's forward",
         }.get((which, mode), mode)
         out.append(
             f"| {which} | {how} | {us(off['wall_s'])} "
