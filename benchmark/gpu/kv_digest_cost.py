@@ -1673,7 +1673,15 @@ TRIED_SCHEDULE = (
     "against 6.5% waiting on the core), the status's wait +1250 us, a 4-chunk request 10.9% "
     "against 4.4%; its timeline waiting on the core ([`kv_digest_timeline_spin_window_clock_9bcb285.json`]"
     "(kv_digest_timeline_spin_window_clock_9bcb285.json)): 2 engine calls in a last chunk's "
-    "windows, the status's wait 1363 us."
+    "windows, the status's wait 1363 us. The windows' engine calls waiting for their sums (the "
+    "code before d710671) in their last runs: 59c67ae ([`kv_digest_cost_59c67ae.json`]"
+    "(kv_digest_cost_59c67ae.json), a slower host, and its timelines "
+    "[`kv_digest_timeline_59c67ae.json`](kv_digest_timeline_59c67ae.json), "
+    "[`kv_digest_timeline_spin_59c67ae.json`](kv_digest_timeline_spin_59c67ae.json)) 10.2%, "
+    "11.1%, 7.6%; restated as `_window_waits` since (this run's rows above, the GPU idle and busy). "
+    "The asynchronous engine calls' first run, ce785d0 ([`kv_digest_cost_ce785d0.json`]"
+    "(kv_digest_cost_ce785d0.json), the product code of this run, no `_busy` rows): 5.0%, 6.3%, "
+    "3.6% (restated waiting windows 2.9%, 6.0%; waiting on the core 3.3%, 6.0%, 3.9%)."
 )
 
 
@@ -1838,6 +1846,17 @@ def section(r, name="kv_digest_cost.json"):
                 f"{verdict(f'over_link_middle_chunk_exposed{mode}')}, last chunk "
                 f"{verdict(f'over_link_last_chunk_exposed{mode}')}"
                 + (f", a {REQUEST_CHUNKS}-chunk request {verdict(rkey)}" if rkey in res else "") + "."]
+    bf = res.get("busy_forward")
+    if bf and "over_link_last_chunk_exposed_busy" in res:
+        out += ["", f"The GPU busy with the next chunk's forward, as in serving ({bf['gemms']} bf16 "
+                f"{'x'.join(map(str, bf['shape']))} GEMMs on another stream, "
+                f"{bf['gpu_ms_alone_median_of_5']:.1f} ms of GPU work alone): the shipped windows "
+                f"(engine calls that queue the kernel) middle chunk "
+                f"{verdict('over_link_middle_chunk_exposed_busy')}, last chunk "
+                f"{verdict('over_link_last_chunk_exposed_busy')}; the windows' engine calls "
+                "waiting for their sums (the code before, restated) middle chunk "
+                f"{verdict('over_link_middle_chunk_exposed_window_waits_busy')}, last chunk "
+                f"{verdict('over_link_last_chunk_exposed_window_waits_busy')}."]
     bd = res.get("over_link_last_chunk_breakdown")
     if bd:
         med = lambda m, k: bd[m].get(k, {"median": 0.0})["median"] * 1e6  # noqa: E731

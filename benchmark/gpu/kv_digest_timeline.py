@@ -277,6 +277,16 @@ def section(r, origin, summ, name="kv_digest_timeline.json"):
         out += ["", *_chunk_section(middle["summary"], "middle chunk", summ)]
         if middle["timelines"]:
             out += _first_timeline(middle["timelines"][0], "middle chunk")
+    steps = r.get("submit_steps")
+    if steps:
+        names = {"lane": "taking a lane", "filled": "its stream entered, the KV-written events waited on, keys and table "
+                           "into the pinned buffer",
+                 "uploaded": "the upload queued", "launched": "the kernel launched",
+                 "downloaded": "the sums' download queued and the event recorded"}  # fmt: skip
+        out += ["", "An engine call's host time inside a last chunk's windows (a separate pass of "
+                f"{r['provenance']['repetitions'] // 2} last chunks with `DeviceDigest`'s marks, "
+                "which record CUDA events themselves; µs per call, median (min-max)): "
+                + "; ".join(f"{names.get(k, k)} {summ(v, 1e6)}" for k, v in steps.items()) + "."]
     return out
 
 

@@ -91,7 +91,13 @@ def drive(reps: int, warmup: int, check: bool) -> dict:
         time.sleep(ENGINE_FIXED_S + nbytes / ENGINE_BYTES_PER_S)
         return np.zeros(len(keys), dtype=np.uint64)
 
-    engine.digest = emulated
+    engine.digest = emulated  # the code before 2026-12-03 (``--before``) calls the engine so
+    if hasattr(type(engine), "submit"):  # since then the send path submits, its sums read later:
+        from sglang_dflash_pp.srt.disaggregation.kv_digest_engine import Sums
+
+        # the GPU call's time spent at the submit (the thread's schedule reads each call's sums
+        # in the same job)
+        engine.submit = lambda blocks, keys, wait_events=(): Sums(emulated(blocks, keys, wait_events))
     thread = sp.manager._dflash_kv_digest.thread
     samples = {}
     kds = sp.kds
@@ -103,7 +109,8 @@ def drive(reps: int, warmup: int, check: bool) -> dict:
         request's pages after the status."""
         digest = kds.digest_of(manager)
         if digest is not None:
-            digest.thread.submit(kds._digest_pending, kds._pending())
+            digest.thread.submit(getattr(kds, "_digest_and_settle", None) or kds._digest_pending,
+                                 kds._pending())  # fmt: skip
         return True
 
     variants = [(w, on) for w in ("middle", "last") for on in (True, False)] + [("last", "no_wait")]

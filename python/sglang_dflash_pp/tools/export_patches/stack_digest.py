@@ -62,7 +62,10 @@ holds every sender's contribution. The decode side is ``kv_digest_verify``.
 Where the work runs: with Mooncake's asynchronous batch API, on the transfer worker itself,
 inside its own transfers (``batch_transfer_sync`` submits a long one, the worker digests what its
 chunk queued while the bytes move, then waits: :func:`digest_transfer`), so no other thread
-competes with it for the GIL; the tail at the room's status. Without that API, on a digest
+competes with it for the GIL; the tail at the room's status. An engine call only queues the
+kernel (``kv_digest_triton.DeviceDigest.submit``): the sums are read where they are ready, at
+the latest at the room's status, so a window never waits behind the forward the GPU runs
+meanwhile. Without that API, on a digest
 thread per KV manager (``kv_digest_thread``), while Mooncake moves the bytes (its transfers
 release the GIL); the send path only hands it the descriptor lists and the draft's page lists,
 and the thread resolves all that is queued in one pass and digests it in one engine call. A middle chunk is digested after it, during the next chunk. A
