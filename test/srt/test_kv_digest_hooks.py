@@ -791,6 +791,26 @@ def test_with_mooncakes_async_api_the_worker_digests_a_last_chunk_inside_its_own
                                     (int(BufferKind.STATE), 0): int(want[2])}  # fmt: skip
 
 
+def _deferred_room(loopback, room):
+    """The real engine's manager stand-in whose sums are not ready until ``ready`` is set
+    (:class:`_GpuLikeSums`), and a room of one decode request (the engine's own session) in
+    transfer."""
+    import threading
+
+    engine, b = loopback
+    b.dst[:] = 0
+    ready = threading.Event()
+    failures, sent, calls, order = [], [], [], []
+    session, regs, manager = _window_manager(engine, b, failures, sent, calls, order, ready=ready)
+    req = types.SimpleNamespace(is_dummy=False, mooncake_session_id=session, room=room,
+                                required_dst_info_num=1, endpoint="127.0.0.1", dst_port=1)
+    manager.transfer_infos = {room: {session: req}}
+    manager.request_status[room] = KVPoll.Transferring
+    return types.SimpleNamespace(engine=engine, bufs=b, ready=ready, failures=failures, sent=sent,
+                                 order=order, session=session, manager=manager, req=req,
+                                 src=b.src.ctypes.data, dst=b.dst.ctypes.data)  # fmt: skip
+
+
 def test_with_windows_the_gpus_sums_are_read_at_the_status_never_waited_for_in_a_window(loopback):
     """Through sglang's real MooncakeTransferEngine over TCP: a room's middle chunk and last
     chunk, each in long transfers whose windows digest what was queued, with sums that (like the
@@ -804,20 +824,12 @@ def test_with_windows_the_gpus_sums_are_read_at_the_status_never_waited_for_in_a
     from sglang_dflash_pp.srt.disaggregation.kv_digest import Blocks, BufferKind, buffer_key
     from sglang_dflash_pp.srt.disaggregation.kv_digest import decode, digest_blocks_host
 
-    engine, b = loopback
-    b.dst[:] = 0
-    ready = threading.Event()
-    failures, sent, calls, order = [], [], [], []
-    session, regs, manager = _window_manager(engine, b, failures, sent, calls, order, ready=ready)
+    r = _deferred_room(loopback, 11)
+    manager, session, order, b = r.manager, r.session, r.order, r.bufs
     digest = manager._dflash_kv_digest
-    src, dst = b.src.ctypes.data, b.dst.ctypes.data
-    req = types.SimpleNamespace(is_dummy=False, mooncake_session_id=session, room=11,
-                                required_dst_info_num=1, endpoint="127.0.0.1", dst_port=1)
-    manager.transfer_infos = {11: {session: req}}
-    manager.request_status[11] = KVPoll.Transferring
     original, stock_calls = _stock_sync()
     chunks = [[(0, 0, 2048), (2048, 2048, 2048)], [(4096, 4096, 2048), (6144, 6144, 2048)]]
-    timer = threading.Timer(0.3, lambda: (order.append("ready"), ready.set()))
+    timer = threading.Timer(0.3, lambda: (order.append("ready"), r.ready.set()))
     for i, chunk in enumerate(chunks):
         last = i == len(chunks) - 1
         mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(
@@ -826,25 +838,25 @@ def test_with_windows_the_gpus_sums_are_read_at_the_status_never_waited_for_in_a
             with kv_digest_send.scope(manager, session, None):
                 for s, d, n in chunk:
                     assert kv_digest_send.batch_transfer_sync_around(
-                        original, engine, session, [src + s], [dst + d], [n]) == 0
+                        original, r.engine, session, [r.src + s], [r.dst + d], [n]) == 0
             if last:
                 assert not [e for e in order if e[0] == "read"]  # no window waited
                 timer.start()
-                kv_digest_send.send_aux_around(lambda *a, **k: order.append("aux"), manager, req)
+                kv_digest_send.send_aux_around(lambda *a, **k: order.append("aux"), manager, r.req)
         finally:
             mooncake_draft_kv.end_chunk()
         if not last:
             assert len(digest._parked) == 1 and digest._parked[0].unsettled
     timer.join()
-    assert failures == [] and stock_calls == [] and (b.dst[:8192] == b.src[:8192]).all()
+    assert r.failures == [] and stock_calls == [] and (b.dst[:8192] == b.src[:8192]).all()
     assert order.index("ready") < order.index("aux")
     reads = [e for e in order if isinstance(e, tuple) and e[0] == "read"]
     assert sorted(reads) == [("read", 2048)] * 4 and order[-1] == "aux"
-    assert max(order.index(r) for r in reads) < order.index("aux")
+    assert max(order.index(x) for x in reads) < order.index("aux")
     assert digest._parked == [] and digest._sums == {}
     keys = [buffer_key(BufferKind.KV, 0), buffer_key(BufferKind.KV, 1), buffer_key(BufferKind.STATE, 0)]
-    want = digest_blocks_host(Blocks.of([src], [0], 8192, 0), keys)
-    assert len(sent) == 1 and decode(sent[0]).sums == {(int(BufferKind.KV), 0): int(want[0])}
+    want = digest_blocks_host(Blocks.of([r.src], [0], 8192, 0), keys)
+    assert len(r.sent) == 1 and decode(r.sent[0]).sums == {(int(BufferKind.KV), 0): int(want[0])}
 
 
 def test_with_windows_a_failed_rooms_parked_sums_are_dropped_not_added_later(loopback):
@@ -852,16 +864,11 @@ def test_with_windows_a_failed_rooms_parked_sums_are_dropped_not_added_later(loo
     (sglang marks it Failed) and its next chunk's begin drops what the room had: its parked
     sums too, so reading them later adds nothing (no sums kept for a room that will never send
     its status), while another room's parked sums still are added."""
-    import threading
-
     from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
 
-    engine, b = loopback
-    ready = threading.Event()
-    failures, sent, calls, order = [], [], [], []
-    session, regs, manager = _window_manager(engine, b, failures, sent, calls, order, ready=ready)
+    r = _deferred_room(loopback, 22)
+    manager, session = r.manager, r.session
     digest = manager._dflash_kv_digest
-    src, dst = b.src.ctypes.data, b.dst.ctypes.data
     original, _ = _stock_sync()
     for room, at in ((21, 0), (22, 4096)):
         manager.request_status[room] = KVPoll.Transferring
@@ -870,7 +877,7 @@ def test_with_windows_a_failed_rooms_parked_sums_are_dropped_not_added_later(loo
         try:
             with kv_digest_send.scope(manager, session, None):
                 assert kv_digest_send.batch_transfer_sync_around(
-                    original, engine, session, [src + at], [dst + at], [2048]) == 0
+                    original, r.engine, session, [r.src + at], [r.dst + at], [2048]) == 0
         finally:
             mooncake_draft_kv.end_chunk()
     assert len(digest._parked) == 2 and digest._sums == {}
@@ -879,9 +886,9 @@ def test_with_windows_a_failed_rooms_parked_sums_are_dropped_not_added_later(loo
                                                                  is_last_chunk=True))  # fmt: skip
     mooncake_draft_kv.end_chunk()
     assert digest.thread.wait(10)  # forget_room ran (a job, after the room's earlier ones)
-    ready.set()
+    r.ready.set()
     digest.settle_parked(block=True)
-    assert failures == [] and digest._parked == []
+    assert r.failures == [] and digest._parked == []
     assert list(digest._sums) == [(22, session)]
 
 
@@ -891,35 +898,25 @@ def test_with_windows_a_digest_the_kernel_refuses_fails_its_room_when_its_sums_a
     and here its sums are not ready while the window runs) fails its room with the reason when
     its sums are read, before the room's status; the transfer itself completes, and stock's
     send goes on."""
-    import threading
-
     from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
 
-    engine, b = loopback
-    b.dst[:] = 0
-    ready = threading.Event()
-    failures, sent, calls, order = [], [], [], []
-    session, regs, manager = _window_manager(engine, b, failures, sent, calls, order, ready=ready)
-    src, dst = b.src.ctypes.data, b.dst.ctypes.data
-    req = types.SimpleNamespace(is_dummy=False, mooncake_session_id=session, room=12,
-                                required_dst_info_num=1, endpoint="127.0.0.1", dst_port=1)
-    manager.transfer_infos = {12: {session: req}}
-    manager.request_status[12] = KVPoll.Transferring
+    r = _deferred_room(loopback, 12)
+    manager, session, b = r.manager, r.session, r.bufs
     original, _ = _stock_sync()
     mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(room=12, wait_event=None,
                                                                  is_last_chunk=True))  # fmt: skip
     try:
         with kv_digest_send.scope(manager, session, None):
-            ret = kv_digest_send.batch_transfer_sync_around(original, engine, session, [src],
-                                                            [dst], [2050])  # fmt: skip
-        assert ret == 0 and failures == []  # submitted; its sums not read yet
-        ready.set()
-        kv_digest_send.send_aux_around(lambda *a, **k: order.append("aux"), manager, req)
+            ret = kv_digest_send.batch_transfer_sync_around(original, r.engine, session, [r.src],
+                                                            [r.dst], [2050])  # fmt: skip
+        assert ret == 0 and r.failures == []  # submitted; its sums not read yet
+        r.ready.set()
+        kv_digest_send.send_aux_around(lambda *a, **k: r.order.append("aux"), manager, r.req)
     finally:
         mooncake_draft_kv.end_chunk()
     assert (b.dst[:2050] == b.src[:2050]).all()
-    assert [f["bootstrap_room"] for f in failures] == [12]
-    assert "4-byte words" in failures[0]["failure_reason"] and order[-1] == "aux"
+    assert [f["bootstrap_room"] for f in r.failures] == [12]
+    assert "4-byte words" in r.failures[0]["failure_reason"] and r.order[-1] == "aux"
 
 
 @pytest.mark.parametrize("case", ["transfer fails", "submit fails", "digest raises"])
