@@ -1681,7 +1681,11 @@ TRIED_SCHEDULE = (
     "11.1%, 7.6%; restated as `_window_waits` since (this run's rows above, the GPU idle and busy). "
     "The asynchronous engine calls' first run, ce785d0 ([`kv_digest_cost_ce785d0.json`]"
     "(kv_digest_cost_ce785d0.json), the product code of this run, no `_busy` rows): 5.0%, 6.3%, "
-    "3.6% (restated waiting windows 2.9%, 6.0%; waiting on the core 3.3%, 6.0%, 3.9%)."
+    "3.6% (restated waiting windows 2.9%, 6.0%; waiting on the core 3.3%, 6.0%, 3.9%). A second "
+    "run of this run's product code, f3c2329 ([`kv_digest_cost_rerun_f3c2329.json`]"
+    "(kv_digest_cost_rerun_f3c2329.json)): the GPU busy, middle 2.4%, last 6.2% against 25.0%, "
+    "40.4% for the restated waiting windows; idle, asleep 5.5%, 6.6%, 4.1% (waiting windows 3.3%, "
+    "6.2%), on the core 3.3%, 6.3%, 4.1% (3.7%, 6.5%)."
 )
 
 
