@@ -15,10 +15,12 @@ the transfer worker itself, inside its own long transfers (:func:`_transfer_in_w
 transfer submitted, what the chunk queued digested while the bytes move, one engine call per
 window, then a GIL-free wait), the tail at the room's status (:func:`flush`), so no thread of
 ours competes with the worker for the GIL. An engine call only queues the kernel: no window
-waits for the GPU. Its sums are read where they are ready, in a later window (this chunk's,
-or a later chunk's for a middle chunk, which is parked: :meth:`SendDigest.park`), and at the
-latest at the room's status, which waits for every chunk's (:meth:`_Pending.settle`). Without that API, the schedule below: on a thread
-of its own (``kv_digest_thread``), while Mooncake moves bytes (its transfers release the GIL).
+waits for the GPU, which in serving runs the next chunk's forward meanwhile. Its sums are read
+where they are ready, in a later window (this chunk's, or a later chunk's for a middle chunk,
+which is parked: :meth:`SendDigest.park`), and at the latest at the room's status, which waits
+for every chunk's (:meth:`_Pending.settle`): the request's pages, which the kernels read, are
+held until then. Without that API, the schedule below: on a thread of its own
+(``kv_digest_thread``), while Mooncake moves bytes (its transfers release the GIL).
 The send hooks only hand it references: sglang's descriptor lists and the draft's page lists.
 The thread resolves everything queued in one pass (``kv_digest.ListResolver``: a few numpy
 calls for every decode rank's lists, not a few per list) and digests it in one engine call
@@ -93,7 +95,7 @@ logger = logging.getLogger(__name__)
 _ENGINE_ATTR = "_dflash_kv_digest"  # on the KV manager: the SendDigest, when on
 _TABLES_ATTR = "_dflash_kv_digest_tables"  # on a decode's KVArgsRegisterInfo
 _scope = threading.local()
-_NONE: frozenset = frozenset()
+_NO_SESSIONS: frozenset = frozenset()
 # A transfer shorter than a job of the digest thread is no window for it: a worker that wakes
 # while the thread holds the GIL waits for the job (a state slice, a few KB, is ~1 us of link).
 WINDOW_MIN_BYTES = 1 << 20
@@ -579,7 +581,7 @@ def flush(manager) -> bool:
     pending = _pending()
     if digest.windows and not pending.inline:
         pending.prep = None  # the state send went out: its lists are queued
-        _digest_window(pending, digest)  # the tail, here: nothing hides it, no hand-over to wait for
+        _digest_window(pending, digest)  # the tail, here: nothing hides it, no hand-over to wait
     else:
         pending.digest()
     if digest.thread.idle or digest.thread.wait(_wait_bound_s()):  # earlier chunks' jobs
@@ -721,7 +723,7 @@ def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths)
     digest = digest_of(manager) if manager is not None else None
     # the thread's schedule decides on the sessions handed over before this send
     handed_before = (set(pending.handed) if digest is not None and not digest.windows
-                     and pending is not None and pending.last else _NONE)  # fmt: skip
+                     and pending is not None and pending.last else _NO_SESSIONS)  # fmt: skip
     if (
         current is not None
         and getattr(current.manager, "engine", None) is engine

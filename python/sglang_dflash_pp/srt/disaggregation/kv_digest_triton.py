@@ -386,7 +386,8 @@ class DeviceSums:
         lane.done.synchronize()
         host = lane.host_np
         if host[0]:
-            self._error = refusal(self._blocks, self._n_keys) or "KV digest: the kernel refused a block"
+            why = refusal(self._blocks, self._n_keys)
+            self._error = why or "KV digest: the kernel refused a block"
         else:
             self._value = host[STATUS : STATUS + self._n_keys].view(np.uint64).copy()
         lane.sums, self._lane, self._blocks = None, None, None
