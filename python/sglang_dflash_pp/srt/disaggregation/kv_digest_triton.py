@@ -404,9 +404,10 @@ class DeviceDigest:
     :meth:`submit` never waits for the GPU: it fills one of ``lanes`` pinned buffers, uploads it,
     launches, queues the sums' download into the same buffer and records the lane's ``done``
     event; the caller reads the sums later (:class:`DeviceSums`). Why: a prefill's transfer worker
-    digests inside its own transfers, and waiting there for the kernel (after the GPU idled
-    while the bytes moved, a launch's latency on an H200 host is several times its work) is what
-    made those windows outlast the transfers (``benchmark/gpu/results``). A submit finding every
+    digests inside its own transfers while the GPU runs the next chunk's forward; a worker that
+    waited there for its kernel would wait behind the forward's and outlast its transfers (on
+    the H200 with 13 ms of GEMMs beside each chunk: 40-42% of a last chunk's link time against
+    6%, ``benchmark/gpu/results``; with the GPU idle the two cost the same). A submit finding every
     lane holding unread sums reads the oldest first (its event long done, as a later launch on
     the same stream follows it). :meth:`digest` is a submit and its result.
 
