@@ -168,6 +168,8 @@ class SendDigest:
     def settle_parked(self, block: bool) -> None:
         """Add parked chunks' sums to their rooms: those whose kernels finished, or (``block``,
         at a status) all of them, waiting for the GPU."""
+        if not block and not self._parked:  # every window asks; most find none
+            return
         with self._lock:
             parked, self._parked = self._parked, []
         for p in parked:

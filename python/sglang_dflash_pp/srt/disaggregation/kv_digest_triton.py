@@ -372,18 +372,21 @@ class DeviceSums:
         if lane is not None:
             lane.done.synchronize()  # outside the lock: a later submit may take the lane meanwhile
             with self._digest._lock:
-                self._collect()
+                self._collect(waited=True)
         if self._error is not None:
             raise ValueError(self._error)
         return self._value
 
-    def _collect(self) -> None:
-        """Copy the sums out of the lane and give it back (the caller holds the digest's lock;
-        the lane's ``done`` event has completed, or is waited for here)."""
+    def _collect(self, waited: bool = False) -> None:
+        """Copy the sums out of the lane and give it back (the caller holds the digest's lock).
+        ``waited``: the caller synchronised the lane's ``done`` event, which still marks this
+        call's sums (the lane was not taken again, or it would not hold them); else it is waited
+        for here."""
         lane = self._lane
         if lane is None or lane.sums is not self:
             return
-        lane.done.synchronize()
+        if not waited:
+            lane.done.synchronize()
         host = lane.host_np
         if host[0]:
             why = refusal(self._blocks, self._n_keys)
