@@ -1343,7 +1343,8 @@ def run(args):
         micro["launch_call_jit"] = host_time(
             lambda: kt.launch(table, keys_dev, sums_dev, chunk.count, split_dev, plan, status_dev))
         micro["launch_call_shipped"] = host_time(
-            lambda: dig._launch(table, keys_dev, sums_dev, status_dev, chunk.count, split_dev, plan))
+            lambda: dig._launch(lane, chunk.count, nk, keys_at, cols_at,
+                                cols_at + 7 * chunk.count + (7 * chunk.count) % 2, plan))
         micro["download_and_sync"] = host_time(
             lambda: (lane.host[: kt.STATUS + nk].copy_(lane.dev[: kt.STATUS + nk], non_blocking=True),
                      dig.stream.synchronize()))  # fmt: skip

@@ -583,6 +583,31 @@ def test_a_last_chunks_state_is_digested_from_its_start_and_only_what_is_sent_is
     assert after_state == (0 if case == "sent as prepared" else 1)
 
 
+def test_a_window_has_nothing_new_when_every_queued_part_is_a_draft_head_already_digested():
+    """The state's dry run waits for a window with nothing new queued: an empty queue, or only
+    draft parts whose sums the chunk knows (a head another decode rank holds too). A descriptor
+    list, or a draft part not digested yet, is new."""
+    import numpy as np
+
+    reg = types.SimpleNamespace(dst_kv_ptrs=[1 << 40, 1 << 41], dst_state_data_ptrs=[])
+    memo = {}
+    pages = np.arange(4, dtype=np.int64)
+    known = kv_digest_send.DraftPart(object(), pages, pages, memo)
+    other = kv_digest_send.DraftPart(object(), pages, pages, memo)
+    pending = kv_digest_send._Pending(last=True, ranks=2)
+    manager = object()
+    assert pending.nothing_new()
+    pending.known[known.signature + kv_digest_send._tables_and_keys(reg)[2]] = (None, 0, 2)
+    pending.hand(manager, 1, "decode-a", reg, known, ())
+    assert pending.nothing_new()
+    pending.hand(manager, 1, "decode-b", reg, other, ())
+    assert not pending.nothing_new()
+    pending.take()
+    pending.hand(manager, 1, "decode-a", reg,
+                 kv_digest_send._Descriptors(kv_digest_send.BufferKind.KV, [0], [1 << 40], [4]), ())
+    assert not pending.nothing_new()
+
+
 # -- the worker digesting inside its own transfers (Mooncake's asynchronous batch API) ----------
 
 
@@ -717,10 +742,12 @@ def test_with_mooncakes_async_api_the_worker_digests_a_last_chunk_inside_its_own
     """Through sglang's real MooncakeTransferEngine over TCP: a room's last chunk, three target
     KV transfers (two long: submitted asynchronously, the worker digesting what is queued before
     it waits; one short: stock's synchronous call, and one long from an executor thread: stock's
-    too), then its state send. The state's dry run is the chunk's second window's work; every
-    other window digests what was queued, the state at the status makes no engine call. The
-    digest thread runs no job, every byte arrives, and the decode rank's sums are the sent
-    bytes'."""
+    too), between the first two a long transfer outside any digest scope (as the draft's own
+    transfer, with nothing new queued), then its state send. The state's dry run is the work of
+    that window, the first from the chunk's second with nothing new to digest; its lists join
+    the next window's engine call; every window digests what was queued, the state at the
+    status makes no engine call. The digest thread runs no job, every byte arrives, and the
+    decode rank's sums are the sent bytes'."""
     import concurrent.futures
     import logging
 
@@ -752,16 +779,22 @@ def test_with_mooncakes_async_api_the_worker_digests_a_last_chunk_inside_its_own
     thread.submit = lambda fn, *a: submitted.append(fn)
     # (src offset, dst offset, bytes); the last one from an executor thread
     kv = [(0, 0, 2048), (2048, 2048, 2048), (4096, 4096, 512), (4608, 4608, 2048)]
+    unscoped = (6656, 6656, 1024)  # not digested: no scope is open (as the draft's own transfer)
     results = []
     caplog.set_level(logging.INFO, logger=kv_digest_send.__name__)
     mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(
         room=7, wait_event=None, is_last_chunk=True, state_indices=[[0]]))  # fmt: skip
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            with kv_digest_send.scope(manager, session, pool) as scoped:
-                for s, d, n in kv[:3]:
+            for i, (s, d, n) in enumerate(kv[:3]):
+                with kv_digest_send.scope(manager, session, pool):
                     results.append(kv_digest_send.batch_transfer_sync_around(
                         original, engine, session, [src + s], [dst + d], [n]))
+                if i == 0:  # no scope open
+                    s, d, n = unscoped
+                    results.append(kv_digest_send.batch_transfer_sync_around(
+                        original, engine, session, [src + s], [dst + d], [n]))
+            with kv_digest_send.scope(manager, session, pool) as scoped:
                 s, d, n = kv[3]
                 results.append(scoped.submit(kv_digest_send.batch_transfer_sync_around, original,
                                              engine, session, [src + s], [dst + d], [n]).result())
@@ -771,16 +804,18 @@ def test_with_mooncakes_async_api_the_worker_digests_a_last_chunk_inside_its_own
     finally:
         mooncake_draft_kv.end_chunk()
         del thread.submit
-    assert results == [0] * 5 and failures == [] and submitted == []
-    assert (b.dst[:6656] == b.src[:6656]).all() and (b.state_dst[:256] == b.state_src[:256]).all()
+    assert results == [0] * 6 and failures == [] and submitted == []
+    assert (b.dst[:7680] == b.src[:7680]).all() and (b.state_dst[:256] == b.state_src[:256]).all()
     assert (b.state_dst[512:768] == b.state_src[512:768]).all()
     # stock's synchronous call: the short transfer, the executor thread's, the state (short)
     assert [a[2][0] - dst for a in stock_calls[:2]] == [4096, 4608] and len(stock_calls) == 3
-    # window 1 digests its own 2048 bytes; window 2 runs the state's send dry (512 bytes
-    # digested, nothing moved); the status digests the rest in one call (the state: known)
+    # window 1 digests its own 2048 bytes; window 2 (nothing new queued) runs the state's send
+    # dry (no engine call, nothing moved); window 3 digests its 2048 bytes and the captured
+    # state's 512 in one call; the status digests the rest in one call (the state: known)
     assert order == ["submit", ("digest", 2048), ("status", 0),
-                     "submit", ("digest", 512), ("status", 0),
-                     ("digest", 2048 + 512 + 2048), "aux"]  # fmt: skip
+                     "submit", ("status", 0),
+                     "submit", ("digest", 2048 + 512), ("status", 0),
+                     ("digest", 512 + 2048), "aux"]  # fmt: skip
     assert "the transfer worker digests inside its transfers" in caplog.text
     keys = [buffer_key(BufferKind.KV, 0), buffer_key(BufferKind.KV, 1), buffer_key(BufferKind.STATE, 0)]
     want = digest_blocks_host(Blocks.concat(

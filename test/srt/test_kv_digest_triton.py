@@ -215,6 +215,10 @@ for max_blocks in (5, 64):
                            empty=d.digest(kd.Blocks.empty(), keys).tolist(),
                            fewer_keys=bool((d.digest(two, keys[:2])
                                             == kd.digest_blocks_host(two, keys[:2])).all()))
+# keys as a tuple (the send path's, known again by identity), then another tuple of as many
+tk, other = tuple(keys), tuple(reversed(keys))
+by_tuple = [bool((d.digest(blocks, k) == kd.digest_blocks_host(blocks, list(k))).all())
+            for k in (tk, tk, other, tk)]
 try:
     d.digest(kd.Blocks.of([base], [0], 256, [5]), keys)
     raised = None
@@ -240,7 +244,7 @@ try:
 except ValueError as e:
     late_raised = str(e)
 print(json.dumps(dict(out=out, touched=int(np.count_nonzero(want)), raised=raised, after=after,
-                      late=late, late_raised=late_raised)))
+                      late=late, late_raised=late_raised, by_tuple=by_tuple)))
 """
 
 
@@ -254,6 +258,7 @@ def test_device_digest_call_path_equals_the_host_reference():
     assert r["touched"] == 5
     assert "slot 5, outside the 5 keys" in r["raised"] and r["after"], r
     assert r["late"] == [True] * 6 and "slot 5, outside the 5 keys" in r["late_raised"], r
+    assert r["by_tuple"] == [True] * 4, r
     for max_blocks in ("5", "64"):  # in pieces of 5 blocks, and in one launch
         v = r["out"][max_blocks]
         assert v["equal"] and v["fewer_keys"] and v["empty"] == [0] * 5, v

@@ -185,13 +185,14 @@ def digest_of(manager) -> Optional[SendDigest]:
 
 
 def _tables_and_keys(registration):
-    """(tables, their keys, their sizes) of a decode registration, made once."""
+    """(tables, their keys, their sizes) of a decode registration, made once (the keys a tuple:
+    the engine knows it again by identity, ``DeviceDigest._keys_np``)."""
     cached = getattr(registration, _TABLES_ATTR, None)
     if cached is None:
         kv = BufferTable(BufferKind.KV, list(registration.dst_kv_ptrs))
         flat = [p for ptrs in (registration.dst_state_data_ptrs or []) for p in ptrs]
         tables = (kv, BufferTable(BufferKind.STATE, flat, first_slot=len(kv)))
-        cached = (tables, slots_of(tables), tuple(len(t) for t in tables))
+        cached = (tables, tuple(slots_of(tables)), tuple(len(t) for t in tables))
         setattr(registration, _TABLES_ATTR, cached)
     return cached
 
@@ -257,9 +258,12 @@ class _Pending:
         # State sends prepared at the chunk's start (:func:`prepare_states`): sglang's lists as
         # tuples -> (blocks, signature), their sums in ``known``.
         self.prepared: Dict[Tuple, Tuple[Blocks, Tuple]] = {}
-        # With windows: the state send to prepare in the chunk's second window (the arguments
-        # of :func:`_prepare_states` after ``pending``), None once run or dropped.
+        # With windows: the state send to run dry in a window with nothing new to digest (the
+        # arguments of :func:`_capture_states` after ``pending``), None once run or dropped;
+        # the lists it captured, (manager, written, [(room, session, registration, lists)]),
+        # until the next engine call digests them with what is queued then.
         self.prep: Optional[tuple] = None
+        self.captured: Optional[tuple] = None
         self.windows = 0  # transfers this chunk digested in (:func:`_digest_window`)
         self._lock = threading.Lock()  # sglang's executor threads hand over here too
 
@@ -282,6 +286,16 @@ class _Pending:
             taken = (self.items, self.manager, self.written)
             self.items, self.manager, self.written = [], None, ()
         return taken
+
+    def nothing_new(self) -> bool:
+        """Whether everything queued is a draft part whose sums this chunk already knows (a
+        head another decode rank holds too): digesting it is no engine call. Descriptor lists
+        count as new, as only resolving them tells."""
+        with self._lock:
+            items = list(self.items)
+        return all(isinstance(what, DraftPart)
+                   and what.signature + _tables_and_keys(reg)[2] in self.known
+                   for _, _, reg, what in items)  # fmt: skip
 
     @property
     def unsettled(self) -> bool:
@@ -466,15 +480,20 @@ def _list_key(what: _Descriptors) -> Tuple:
 def prepare_states(manager, chunk, reqs) -> None:
     """On a room's last chunk (``chunk``) with a state to send: the state send to its last
     decode rank is the chunk's last transfer, so nothing after it hides its digest, but it is
-    known from the chunk's start. The digest thread runs sglang's own state send
-    (``maybe_send_extra``) to that rank dry then (:func:`captured_transfer`: its descriptors
-    kept, nothing moved) and digests the descriptors while the chunk's KV moves; when the
-    worker's real state send hands over the same lists, their sums are known and the status
-    does not wait for an engine call. A list the real send does not repeat is digested as it
-    comes (nothing is added for a state the worker does not send). Only the last rank's:
-    running the others' dry too costs the thread more (sglang builds each rank's descriptors
-    again, holding the GIL the worker needs) than the long transfers after them hide
-    (``benchmark/gpu/results``)."""
+    known from the chunk's start. sglang's own state send (``maybe_send_extra``) to that rank
+    runs dry early (:func:`captured_transfer`: its descriptors kept, nothing moved) and the
+    descriptors are digested while the chunk's KV moves; when the worker's real state send
+    hands over the same lists, their sums are known and the status does not wait for an engine
+    call. A list the real send does not repeat is digested as it comes (nothing is added for a
+    state the worker does not send). Only the last rank's: the others' state sends come before
+    long transfers that hide their digests.
+
+    Where: with windows, the worker runs the send dry in the first window, from the chunk's
+    second, with nothing new to digest (:meth:`_Pending.nothing_new`), and the captured lists
+    join the next window's engine call: a dry run, its resolving and an engine call together
+    outlast a 0.5 ms draft transfer on an H200 host, and the chunk's first windows each have an
+    engine call of their own (``benchmark/gpu/results``). Else the digest thread runs and
+    digests it at once."""
     digest = digest_of(manager)
     states = getattr(chunk, "state_indices", None)
     pending = getattr(_scope, "pending", None)
@@ -482,17 +501,20 @@ def prepare_states(manager, chunk, reqs) -> None:
         return
     # ``reqs`` (:func:`_room_requests`) in the worker's order: the last one's state is the tail
     prep = (manager, int(chunk.room), states, reqs[-1], transfer_chunk.written())
-    if digest.windows:  # the worker runs it in its chunk's second window (_digest_window)
+    if digest.windows:  # run in a window (_digest_window)
         pending.prep = prep
     else:
         digest.thread.submit(_prepare_states, pending, *prep)
 
 
-def _prepare_states(pending: _Pending, manager, room: int, states, req, written) -> None:
+def _capture_states(pending: _Pending, manager, room: int, states, req, written) -> bool:
+    """Run the room's state send to ``req``'s decode rank dry; its lists wait in
+    ``pending.captured`` for the next engine call (:func:`_digest_pending`). False where
+    nothing was captured."""
     session = req.mooncake_session_id
     reg = (getattr(manager, "decode_kv_args_table", None) or {}).get(session)
     if pending.inline or reg is None:  # the synchronous design digests where it sends
-        return
+        return False
     captured = _scope.capture = []
     try:
         manager.maybe_send_extra(req, states, None, reg)
@@ -500,10 +522,22 @@ def _prepare_states(pending: _Pending, manager, room: int, states, req, written)
         logger.debug("KV digest: room %s's state send could not be prepared: %r", room, e)
     finally:
         _scope.capture = None
-    parts = _signed_parts(digest_of(manager).resolver, [(room, session, reg, w) for w in captured])
-    if _known_sums(pending, manager, [p for p in parts if p[3] is not None and p[3].count], written):
-        pending.prepared.update({_list_key(w): (p[3], p[4]) for w, p in zip(captured, parts)
-                                 if p[3] is not None and p[4] in pending.known})  # fmt: skip
+    if not captured:
+        return False
+    pending.captured = (manager, written, [(room, session, reg, w) for w in captured])
+    return True
+
+
+def _prepare_states(pending: _Pending, manager, room: int, states, req, written) -> None:
+    """The digest thread's job: the state send run dry, and digested at once."""
+    if _capture_states(pending, manager, room, states, req, written):
+        _digest_pending(pending, queued=False)
+
+
+def _prepared(pending: _Pending, captured, parts) -> None:
+    """Remember the captured lists whose sums are known, for the real send to find."""
+    pending.prepared.update({_list_key(item[3]): (p[3], p[4]) for item, p in zip(captured, parts)
+                             if p[3] is not None and p[4] in pending.known})  # fmt: skip
 
 
 def captured_transfer(session_id, buffers, peer_buffer_addresses, lengths) -> bool:
@@ -527,14 +561,18 @@ def _known_sums(pending: _Pending, manager, parts, written) -> bool:
             todo[signature] = (blocks, _tables_and_keys(registration)[1])
     if not todo:
         return True
-    keys: List[int] = []
-    shifted, bases = [], {}
-    for signature, (blocks, reg_keys) in todo.items():
-        bases[signature] = (len(keys), len(reg_keys))
-        shifted.append(blocks._replace(slot=blocks.slot + len(keys)))
-        keys.extend(reg_keys)
+    if len(todo) == 1:  # the registration's own keys, as they are
+        (signature, (blocks, keys)), = todo.items()
+        bases = {signature: (0, len(keys))}
+    else:
+        keys, shifted, bases = [], [], {}
+        for signature, (part, reg_keys) in todo.items():
+            bases[signature] = (len(keys), len(reg_keys))
+            shifted.append(part._replace(slot=part.slot + len(keys)))
+            keys.extend(reg_keys)
+        blocks = Blocks.concat(shifted)
     try:
-        sums = digest_of(manager).engine.submit(Blocks.concat(shifted), keys, wait_events=written)
+        sums = digest_of(manager).engine.submit(blocks, keys, wait_events=written)
     except Exception as e:
         for room, session in {(r, s) for r, s, _, _, _ in parts}:
             _fail(manager, room, session, e)
@@ -544,26 +582,38 @@ def _known_sums(pending: _Pending, manager, parts, written) -> bool:
     return True
 
 
-def _digest_pending(pending: _Pending) -> None:
-    """Resolve and digest every send ``pending`` holds, in one engine call (parts whose sums this
-    chunk already knows: none); their sums are added to the rooms by :meth:`_Pending.settle`."""
-    items, manager, written = pending.take()
+def _digest_pending(pending: _Pending, queued: bool = True) -> None:
+    """Resolve and digest every send ``pending`` holds (not ``queued``: none), and the state
+    lists captured for it (:func:`_capture_states`), in one engine call (parts whose sums this
+    chunk already knows: none); the sends' sums are added to the rooms by
+    :meth:`_Pending.settle`, the captured lists' are kept for the real send
+    (:func:`_prepared`)."""
+    items, manager, written = pending.take() if queued else ([], None, ())
+    captured: list = []
+    if pending.captured is not None:
+        prep_manager, prep_written, captured = pending.captured
+        pending.captured = None
+        manager, written = manager or prep_manager, written or prep_written
     digest = digest_of(manager) if manager is not None else None
-    if digest is None or not items:
+    if digest is None or not (items or captured):
         return
+    signed = _signed_parts(digest.resolver, items + captured, pending.prepared)
     parts = []
-    for room, session, registration, blocks, signature in _signed_parts(
-            digest.resolver, items, pending.prepared):
+    for room, session, registration, blocks, signature in signed[: len(items)]:
         if blocks is None and signature is None:  # a function that built nothing
             continue
         if blocks is None:
             _fail(manager, room, session, signature)
         elif blocks.count:
             parts.append((room, session, registration, blocks, signature))
-    if not _known_sums(pending, manager, parts, written):
+    # a captured list that fails to resolve fails nothing: the real send's list fails its room
+    prep = [p for p in signed[len(items) :] if p[3] is not None and p[3].count]
+    if not _known_sums(pending, manager, parts + prep, written):
         return
     for room, session, registration, _, signature in parts:
         pending.defer(manager, room, session, tables_of(registration), signature)
+    if captured:
+        _prepared(pending, captured, signed[len(items) :])
 
 
 def _digest_and_settle(pending: _Pending) -> None:
@@ -742,7 +792,7 @@ def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths)
             and pending is own
             and not own.inline
             and nbytes >= digest.window_min_bytes
-            and (own.items or own.prep is not None)
+            and (own.items or own.prep is not None or own.captured is not None)
         ):
             return _transfer_in_window(engine, own, digest, session_id, buffers,
                                        peer_buffer_addresses, lengths)  # fmt: skip
@@ -800,19 +850,21 @@ def _transfer_in_window(engine, pending: _Pending, digest: SendDigest, session_i
 
 def _digest_window(pending: _Pending, digest: SendDigest) -> None:
     """The worker's digest while its transfer moves, one engine call per window, which does not
-    wait for the GPU: everything queued, or, in the chunk's second window, its state send
-    prepared (what is queued waits for the next window); then the sums of earlier engine calls
-    whose kernels finished are added to their rooms (this chunk's, and chunks parked before it).
-    Never raises into the transfer: a failure fails the chunk's rooms with its reason."""
+    wait for the GPU: everything queued (with the state lists captured in an earlier window);
+    in the first window from the chunk's second with nothing new queued, the room's state send
+    also runs dry (:func:`prepare_states`), its lists digested in the next window. Then the sums
+    of earlier engine calls whose kernels finished are added to their rooms (this chunk's, and
+    chunks parked before it). Never raises into the transfer: a failure fails the chunk's rooms
+    with its reason."""
     manager = pending.manager
     pending.windows += 1
     try:
-        if pending.prep is not None and pending.windows > 1:
-            prep, pending.prep = pending.prep, None
-            manager = prep[0]
-            _prepare_states(pending, *prep)
-        else:
-            _digest_pending(pending)
+        prep = pending.prep
+        due = prep is not None and pending.windows > 1 and pending.nothing_new()
+        _digest_pending(pending)
+        if due:
+            pending.prep, manager = None, prep[0]
+            _capture_states(pending, *prep)
         pending.settle(block=False)
         digest.settle_parked(block=False)
     except Exception as e:  # noqa: BLE001 - its rooms fail; the transfer and the server go on

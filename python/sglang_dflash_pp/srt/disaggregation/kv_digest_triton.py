@@ -338,17 +338,32 @@ STATUS = 2  # int64 words before the sums: the kernel's status, and alignment
 
 class Lane:
     """One call's pinned input/output buffer and its device twin, ``[status | sums | keys |
-    columns (7n) | shared blocks]``, and the events that say when each may be used again."""
+    columns (7n) | shared blocks]``, and the events that say when each may be used again.
+    ``ptr`` is the twin's address: a direct launch passes the kernel addresses in it, not tensor
+    views (a view is a few microseconds of host time each, and a call took five)."""
 
-    __slots__ = ("host", "host_np", "dev", "uploaded", "done", "sums")
+    __slots__ = ("host", "host_np", "dev", "ptr", "uploaded", "done", "sums", "_downloads")
 
     def __init__(self, size: int, device):
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
         self.host_np = self.host.numpy()
         self.dev = torch.zeros(size, dtype=torch.int64, device=device)
+        self.ptr = self.dev.data_ptr()
         self.uploaded = torch.cuda.Event()  # the pinned table may be refilled once it is set
         self.done = torch.cuda.Event()  # the status and sums reached the pinned buffer
         self.sums: Optional["DeviceSums"] = None  # the call whose sums it holds, not yet read
+        self._downloads: dict = {}  # keys -> (pinned, device) views of [status | sums]
+
+    def download(self, n_keys: int):
+        """The (pinned, device) views a call of ``n_keys`` sums downloads, made once per key
+        count (views only: no memory is allocated)."""
+        views = self._downloads.get(n_keys)
+        if views is None:
+            if len(self._downloads) >= 64:
+                self._downloads.clear()
+            end = STATUS + n_keys
+            views = self._downloads[n_keys] = (self.host[:end], self.dev[:end])
+        return views
 
 
 class DeviceSums:
@@ -440,7 +455,7 @@ class DeviceDigest:
         self._warm_words = torch.zeros(32 * BLOCK_C, dtype=torch.int32, device=self.device)
         self.stream = torch.cuda.Stream(self.device)
         self._lock = threading.Lock()
-        self._keys = (None, None)  # the last keys list and its int64 form
+        self._keys = (None, None, None)  # the last keys (the tuple itself), as a list, as int64
         self.warmed = False
         # Triton's compiled kernel and the extra arguments its launcher takes, when warm()
         # verified that launching it directly gives the sums of the JIT's launch. Why: the JIT's
@@ -474,16 +489,24 @@ class DeviceDigest:
             self._direct = None
         self.warmed = True
 
-    def _launch(self, table, keys, sums, status, n: int, split_blocks, plan: Plan) -> None:
+    def _launch(self, lane: Lane, n: int, n_keys: int, keys_at: int, cols_at: int, split_at: int,
+                plan: Plan) -> None:
+        """Launch over ``lane``'s device buffer: ``n`` table rows at ``cols_at`` (column ``c`` at
+        ``cols_at + c * n``), the shared blocks at ``split_at``, ``n_keys`` keys at ``keys_at``
+        (int64 word offsets). Directly: the compiled kernel given the addresses as integers
+        (Triton's launcher takes an int as a device pointer; ``warm`` checked this form's sums
+        against the JIT's). Else through the JIT, with tensor views of the same words."""
         if self._direct is None:
-            self._compiled = launch(table, keys, sums, n, split_blocks, plan, status,
+            dev = lane.dev
+            self._compiled = launch(column_table(dev[cols_at:], n), dev[keys_at : keys_at + n_keys],
+                                    dev[STATUS:], n, dev[split_at:], plan, dev[:1],
                                     block_rows=self.block_rows, num_warps=self.num_warps)  # fmt: skip
             return
         compiled, extra = self._direct
-        split = max(1, int(plan.split))
+        split, at = max(1, int(plan.split)), lane.ptr
         compiled[(plan.n_split * split + n, 1, 1)](
-            table, split_blocks, keys, sums, status, n, plan.n_split, split, plan.split_bytes,
-            keys.numel(), table.stride(0), table.stride(1), *extra,
+            at + 8 * cols_at, at + 8 * split_at, at + 8 * keys_at, at + 8 * STATUS, at, n,
+            plan.n_split, split, plan.split_bytes, n_keys, 1, n, *extra,
         )  # fmt: skip
 
     def _mark(self, label: str) -> None:
@@ -493,11 +516,13 @@ class DeviceDigest:
             self.trace.append((label, time.perf_counter(), e))
 
     def _keys_np(self, keys) -> np.ndarray:
-        last, arr = self._keys
+        held, last, arr = self._keys
+        if held is keys:  # the same tuple (immutable): the send path's per-registration keys
+            return arr
         if last is not None and len(last) == len(keys) and last == list(keys):
             return arr
         arr = np.asarray(keys, dtype=np.int64) & 0xFFFFFFFF
-        self._keys = (list(keys), arr)
+        self._keys = (keys if isinstance(keys, tuple) else None, list(keys), arr)
         return arr
 
     def _lane(self) -> Lane:
@@ -533,19 +558,18 @@ class DeviceDigest:
             self._mark("start")
             lane = self._lane()
             self._mark("lane")
-            host, dev = lane.host_np, lane.dev
+            host = lane.host_np
             keys_np = self._keys_np(keys)
+            # [status | sums | keys | columns (7n) | shared blocks]: the first piece uploads it
+            # all (the status' and sums' zeros too), later pieces their table. The lane's
+            # previous sums were read (``_lane``): its upload left the buffer.
+            keys_at = STATUS + _even(n_keys)
+            cols_at = keys_at + _even(n_keys)
+            host[: STATUS + n_keys] = 0
+            host[keys_at : keys_at + n_keys] = keys_np
             with torch.cuda.stream(self.stream):
                 for e in wait_events:
                     self.stream.wait_event(e)
-                # [status | sums | keys | columns (7n) | shared blocks]: the first piece
-                # uploads it all (the status' and sums' zeros too), later pieces their table.
-                keys_at = STATUS + _even(n_keys)
-                cols_at = keys_at + _even(n_keys)
-                # the lane's previous sums were read (``_lane``): its upload left the buffer
-                host[: STATUS + n_keys] = 0
-                host[keys_at : keys_at + n_keys] = keys_np
-                status, sums, keys_dev = dev[:1], dev[STATUS:], dev[keys_at : keys_at + n_keys]
                 for lo in range(0, max(blocks.count, 1), self.max_blocks):
                     hi = min(lo + self.max_blocks, blocks.count)
                     n = hi - lo
@@ -556,14 +580,14 @@ class DeviceDigest:
                                       host[split_at:])  # fmt: skip
                     self._mark("filled")
                     first, end = (0 if not lo else cols_at), split_at + plan.n_split
-                    dev[first:end].copy_(lane.host[first:end], non_blocking=True)
+                    lane.dev[first:end].copy_(lane.host[first:end], non_blocking=True)
                     lane.uploaded.record(self.stream)
                     self._mark("uploaded")
                     if n:
-                        self._launch(column_table(dev[cols_at:], n), keys_dev, sums, status, n,
-                                     dev[split_at:], plan)  # fmt: skip
+                        self._launch(lane, n, n_keys, keys_at, cols_at, split_at, plan)
                     self._mark("launched")
-                lane.host[: STATUS + n_keys].copy_(dev[: STATUS + n_keys], non_blocking=True)
+                pinned, dev = lane.download(n_keys)
+                pinned.copy_(dev, non_blocking=True)
                 lane.done.record(self.stream)
                 self._mark("downloaded")
             lane.sums = DeviceSums(self, lane, blocks, n_keys)
