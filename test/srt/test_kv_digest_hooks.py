@@ -114,7 +114,7 @@ def test_one_digest_per_chunk_and_every_rank_gets_its_sums_before_the_last_aux()
 
     import numpy as np
 
-    from sglang_dflash_pp.srt.disaggregation import transfer_chunk
+    from sglang_dflash_pp.srt.disaggregation import mooncake_draft_kv
     from sglang_dflash_pp.srt.disaggregation.kv_digest import (
         Blocks,
         BufferKind,
@@ -143,7 +143,7 @@ def test_one_digest_per_chunk_and_every_rank_gets_its_sums_before_the_last_aux()
         _send_multipart_locked=lambda endpoint, frames, is_ipv6=False: sent.append(frames),
         conclude_failure=lambda **kw: (_ for _ in ()).throw(AssertionError(kw)))
     original, calls = _recording()
-    transfer_chunk.begin(manager, types.SimpleNamespace(room=9, wait_event=None))
+    mooncake_draft_kv.begin_chunk(manager, types.SimpleNamespace(room=9, wait_event=None))
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             for s in ("d0", "d1"):
@@ -164,7 +164,7 @@ def test_one_digest_per_chunk_and_every_rank_gets_its_sums_before_the_last_aux()
         assert sent == []
         kv_digest_send.send_aux_around(original, manager, aux[1], 0, [])
     finally:
-        transfer_chunk.end()
+        mooncake_draft_kv.end_chunk()
     assert sum(engine_calls) == 3  # the chunk's three distinct blocks, each digested once
     assert [decode(f).room for f in sent] == [9, 9] and len(calls) == 6
     keys = [buffer_key(BufferKind.KV, i) for i in range(2)]

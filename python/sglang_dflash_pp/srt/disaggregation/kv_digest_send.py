@@ -235,9 +235,14 @@ class _Pending:
     synchronous design, the chunk digested by the worker that sends it (the benchmark's
     comparison; nothing in serving sets it)."""
 
-    def __init__(self, last: bool = False, ranks: int = 0):
+    def __init__(self, last: bool = False, ranks: int = 0, manager=None, room: Optional[int] = None,
+                 written: Tuple = ()):  # fmt: skip
         self.last = last
         self.ranks = ranks  # decode ranks the chunk goes to (0: not known)
+        # The worker chunk this is (:func:`begin_chunk`): its manager, room and KV-write events,
+        # and its digest scopes, one per decode rank and kind (its sends to a rank share it).
+        self.of, self.room, self.chunk_written = manager, room, written
+        self.scopes: Dict[Tuple[str, BufferKind], "_Scope"] = {}
         self.inline = False
         # decode sessions whose sends were handed over since the last digest during a transfer
         self.handed: set = set()
@@ -681,12 +686,12 @@ def _digest_and_park(pending: _Pending, digest: SendDigest) -> None:
 class _Scope:
     """The stock send to one decode rank whose descriptors are being digested."""
 
-    def __init__(self, manager, room: int, session: str, registration, kind: BufferKind):
-        self.manager, self.room, self.session = manager, room, session
+    def __init__(self, pending: _Pending, session: str, registration, kind: BufferKind):
+        self.manager, self.room, self.session = pending.of, pending.room, session
         self.registration, self.kind = registration, kind
         # Made on the worker thread: what the executor threads it hands sends to digest is
-        # queued for that worker's flush, with that worker's chunk's KV-write events.
-        self.pending, self.written = _pending(), transfer_chunk.written()
+        # queued for that worker's chunk, with that chunk's KV-write events.
+        self.pending, self.written = pending, pending.chunk_written
 
     def add(self, src, dst, length) -> None:
         """sglang's descriptor lists of one ``batch_transfer_sync``, resolved where the chunk is
@@ -727,20 +732,15 @@ class scope:
 
     def __init__(self, manager, session: str, executor, kind: BufferKind = BufferKind.KV):
         self._executor, self._current = executor, None
-        if digest_of(manager) is None:
+        chunk = getattr(_scope, "pending", None)  # this worker's chunk, with the digest on
+        if chunk is None or chunk.of is not manager:
             return
-        room = transfer_chunk.room_of(manager)
-        if room is None:
-            return
-        # one per decode rank and kind for the worker's chunk (its sends to a rank share it)
-        memo = transfer_chunk.memo()
-        key = ("digest scope", session, kind)
-        current = memo.get(key)
+        current = chunk.scopes.get((session, kind))
         if current is None:
             registration = (getattr(manager, "decode_kv_args_table", None) or {}).get(session)
             if registration is None:
                 return
-            current = memo[key] = _Scope(manager, room, session, registration, kind)
+            current = chunk.scopes[(session, kind)] = _Scope(chunk, session, registration, kind)
         self._current = current
 
     def __enter__(self):
@@ -766,37 +766,42 @@ def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths)
     send run dry on the digest thread (:func:`prepare_states`), whose transfer must not happen;
     else the transfer moved with the worker's chunk digested in its window
     (:func:`_transfer_in_window`)."""
-    if captured_transfer(session_id, buffers, peer_buffer_addresses, lengths):
+    if getattr(_scope, "capture", None) is not None:  # a send run dry: keep, do not move
+        captured_transfer(session_id, buffers, peer_buffer_addresses, lengths)
         return 0
     current = getattr(_scope, "value", None)
     own = getattr(_scope, "pending", None)  # the chunk of this thread's worker, if it is one
-    pending = current.pending if current is not None else own
-    manager = current.manager if current is not None else transfer_chunk.chunk_manager()
+    if current is not None:
+        pending, manager = current.pending, current.manager
+        if not (current.session == session_id and len(buffers)
+                and getattr(manager, "engine", None) is engine):  # fmt: skip
+            current = None  # not this scope's send: nothing to digest
+    else:
+        pending, manager = own, transfer_chunk.chunk_manager()
     digest = digest_of(manager) if manager is not None else None
-    # the thread's schedule decides on the sessions handed over before this send
-    handed_before = (set(pending.handed) if digest is not None and not digest.windows
-                     and pending is not None and pending.last else _NO_SESSIONS)  # fmt: skip
-    if (
-        current is not None
-        and getattr(current.manager, "engine", None) is engine
-        and current.session == session_id
-        and len(buffers)
-    ):
-        current.add(buffers, peer_buffer_addresses, lengths)
-    if digest is None:
-        return None
-    nbytes = sum(lengths)
-    if digest.windows:
+    if digest is not None and digest.windows:
         if (
             own is not None
             and pending is own
             and not own.inline
-            and nbytes >= digest.window_min_bytes
-            and (own.items or own.prep is not None or own.captured is not None)
-        ):
+            and (current is not None or own.items or own.prep is not None
+                 or own.captured is not None)
+            and sum(lengths) >= digest.window_min_bytes
+        ):  # fmt: skip
+            # its lists are handed over once the bytes move (the window digests them)
             return _transfer_in_window(engine, own, digest, session_id, buffers,
-                                       peer_buffer_addresses, lengths)  # fmt: skip
+                                       peer_buffer_addresses, lengths, current)  # fmt: skip
+        if current is not None:
+            current.add(buffers, peer_buffer_addresses, lengths)
         return None
+    # the thread's schedule decides on the sessions handed over before this send
+    handed_before = (set(pending.handed) if digest is not None and pending is not None
+                     and pending.last else _NO_SESSIONS)  # fmt: skip
+    if current is not None:
+        current.add(buffers, peer_buffer_addresses, lengths)
+    if digest is None:
+        return None
+    nbytes = sum(lengths)
     if nbytes >= WINDOW_MIN_BYTES:
         if (
             pending is not None
@@ -819,10 +824,11 @@ def transfer_windows(engine) -> bool:
 
 
 def _transfer_in_window(engine, pending: _Pending, digest: SendDigest, session_id, buffers,
-                        peer_buffer_addresses, lengths) -> Optional[int]:  # fmt: skip
+                        peer_buffer_addresses, lengths, scoped=None) -> Optional[int]:  # fmt: skip
     """One transfer of the worker's chunk, submitted to Mooncake asynchronously; while the bytes
-    move, the worker digests what its chunk queued so far (:func:`_digest_window`), then waits
-    for the transfer without the GIL. Its result is sglang's synchronous call's: 0 when every
+    move, the worker hands its lists over (``scoped``: the digest scope they belong to, if any)
+    and digests what its chunk queued so far (:func:`_digest_window`), then waits for the
+    transfer without the GIL. Its result is sglang's synchronous call's: 0 when every
     descriptor arrived, negative when one failed. None where the submit failed: sglang's own
     synchronous call follows (the same bytes to the same places; its error handling)."""
     te = engine.engine
@@ -831,6 +837,8 @@ def _transfer_in_window(engine, pending: _Pending, digest: SendDigest, session_i
     except Exception as e:  # noqa: BLE001 - sglang's synchronous call runs and reports
         logger.debug("KV digest: asynchronous submit to %s failed: %r", session_id, e)
         batch = 0
+    if scoped is not None:
+        scoped.add(buffers, peer_buffer_addresses, lengths)
     if not batch:
         return None
     if not digest.windows_used:
@@ -942,7 +950,8 @@ def begin_chunk(manager, chunk) -> None:
     if digest is None or chunk is None:
         return
     reqs = _room_requests(manager, chunk.room)
-    _scope.pending = _Pending(last=bool(getattr(chunk, "is_last_chunk", False)), ranks=len(reqs))
+    _scope.pending = _Pending(last=bool(getattr(chunk, "is_last_chunk", False)), ranks=len(reqs),
+                              manager=manager, room=int(chunk.room), written=transfer_chunk.written())
     statuses = getattr(manager, "request_status", None)
     status = statuses.get(chunk.room) if statuses is not None else None
     if statuses is not None and (status is None or _failed(status)):
@@ -1023,17 +1032,19 @@ def add_draft_blocks(manager, session: str, send, src_pages, dst_pages, entries=
     if digest_of(manager) is None:
         return
     memo = transfer_chunk.memo()  # the chunk's pages, checked once for its decode ranks
-    checked = ("pages checked", _chunk_bytes(memo, src_pages), send.page_bound)
-    if checked not in memo:
+    checked = ("pages checked", id(src_pages), send.page_bound)
+    if memo.get(checked) is not src_pages:  # the memo keeps the array, so its id is not reused
         send.check_pages(src_pages)
-        memo[checked] = True
+        memo[checked] = src_pages
     registration = manager.decode_kv_args_table.get(session)
     if entries is _OWN:
         entries = _draft_entries(manager, registration, send)
     if entries is None:
         return
-    add_blocks(manager, transfer_chunk.room_of(manager), session, registration,
-               DraftPart(entries, src_pages, dst_pages, memo))  # fmt: skip
+    chunk = getattr(_scope, "pending", None)
+    if chunk is not None and chunk.of is manager:
+        chunk.hand(manager, chunk.room, session, registration,
+                   DraftPart(entries, src_pages, dst_pages, memo), chunk.chunk_written)  # fmt: skip
 
 
 def _chunk_bytes(memo: dict, pages: np.ndarray) -> bytes:
@@ -1050,14 +1061,22 @@ def _chunk_bytes(memo: dict, pages: np.ndarray) -> bytes:
 class DraftPart:
     """The blocks of one draft send, built where the chunk is digested, once per chunk for the
     decode ranks that share ``entries`` (interned by :func:`draft_digest_entries_of`); its
-    signature names them without hashing them (``memo``: the sending worker's chunk memo)."""
+    signature names them without hashing them (``memo``: the sending worker's chunk memo). Both
+    are made where the chunk is digested, not in the send (a window, with Mooncake's
+    asynchronous API), so the send hands over references only."""
 
-    __slots__ = ("entries", "src_pages", "dst_pages", "memo", "signature")
+    __slots__ = ("entries", "src_pages", "dst_pages", "memo", "_signature")
 
     def __init__(self, entries: DigestEntries, src_pages, dst_pages, memo):
         self.entries, self.src_pages, self.dst_pages, self.memo = entries, src_pages, dst_pages, memo
-        self.signature = ("draft", id(entries), _chunk_bytes(memo, src_pages),
-                          _chunk_bytes(memo, dst_pages))  # fmt: skip
+        self._signature = None
+
+    @property
+    def signature(self) -> Tuple:
+        if self._signature is None:
+            self._signature = ("draft", id(self.entries), _chunk_bytes(self.memo, self.src_pages),
+                               _chunk_bytes(self.memo, self.dst_pages))  # fmt: skip
+        return self._signature
 
     def blocks(self) -> Blocks:
         blocks = self.memo.get(self.signature)
