@@ -411,13 +411,27 @@ class DeviceSums:
         lane.sums, self._lane, self._blocks = None, None, None
 
 
+def _highest_priority() -> int:
+    """The highest stream priority this CUDA build offers (0 where it names none). Why: the
+    prefill's next forward keeps every SM busy while a chunk's digests run, and a kernel of a
+    stream of equal priority starts only once the forward's running kernel has handed out all
+    its blocks, so its sums, which the room's status waits for, came up to a GEMM late; one of
+    higher priority gets the next free SMs (its kernels are tens of microseconds:
+    ``benchmark/gpu/results``)."""
+    priority_range = getattr(torch.cuda.Stream, "priority_range", None)
+    try:
+        return int(priority_range()[1]) if priority_range is not None else 0
+    except Exception:  # noqa: BLE001 - no CUDA context to ask: the default priority
+        return 0
+
+
 class DeviceDigest:
     """Digests on one GPU with every buffer allocated at construction (startup).
 
     ``max_blocks`` bounds the rows uploaded per launch (longer tables go in pieces, summed into
     the same sums); ``max_slots`` bounds the keys of one call (more is refused). One stream of its
-    own, so a digest never queues behind the forward; which forward work it must follow is named
-    by the events the caller passes.
+    own, of the highest priority, so a digest never queues behind the forward (:func:`_highest_priority`);
+    which forward work it must follow is named by the events the caller passes.
 
     :meth:`submit` never waits for the GPU: it fills one of ``lanes`` pinned buffers, uploads it,
     launches, queues the sums' download into the same buffer and records the lane's ``done``
@@ -453,7 +467,7 @@ class DeviceDigest:
         self.lanes = [Lane(size, self.device) for _ in range(max(1, int(lanes)))]
         self._next = 0
         self._warm_words = torch.zeros(32 * BLOCK_C, dtype=torch.int32, device=self.device)
-        self.stream = torch.cuda.Stream(self.device)
+        self.stream = torch.cuda.Stream(self.device, priority=_highest_priority())
         self._lock = threading.Lock()
         self._keys = (None, None, None)  # the last keys (the tuple itself), as a list, as int64
         self.warmed = False
