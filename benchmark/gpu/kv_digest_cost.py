@@ -1421,6 +1421,9 @@ def run(args):
     # read in reverse order: each returns its own sums (a lane taken again reads its sums out).
     queued = [(dig.submit(b, keys, wait_events=(kv_written(),)), want_rank)
               for b, want_rank in zip(per_rank * 2, got_ranks * 2)]  # fmt: skip
+    # the shipped digest stream's priority against the range this GPU offers (lower: higher)
+    checks["digest_stream_priority"] = dict(priority=int(dig.stream.priority),
+                                            range=[int(x) for x in torch.cuda.Stream.priority_range()])
     checks["submitted_calls_read_later_in_reverse"] = dict(
         calls=len(queued), lanes=len(dig.lanes),
         equal=all(bool((q.result() == w).all()) for q, w in reversed(queued)))  # fmt: skip
