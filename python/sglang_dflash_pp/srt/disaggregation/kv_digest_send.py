@@ -951,7 +951,8 @@ def begin_chunk(manager, chunk) -> None:
         return
     reqs = _room_requests(manager, chunk.room)
     _scope.pending = _Pending(last=bool(getattr(chunk, "is_last_chunk", False)), ranks=len(reqs),
-                              manager=manager, room=int(chunk.room), written=transfer_chunk.written())
+                              manager=manager, room=int(chunk.room),
+                              written=transfer_chunk.written())  # fmt: skip
     statuses = getattr(manager, "request_status", None)
     status = statuses.get(chunk.room) if statuses is not None else None
     if statuses is not None and (status is None or _failed(status)):
@@ -1074,8 +1075,9 @@ class DraftPart:
     @property
     def signature(self) -> Tuple:
         if self._signature is None:
-            self._signature = ("draft", id(self.entries), _chunk_bytes(self.memo, self.src_pages),
-                               _chunk_bytes(self.memo, self.dst_pages))  # fmt: skip
+            memo = self.memo
+            self._signature = ("draft", id(self.entries), _chunk_bytes(memo, self.src_pages),
+                               _chunk_bytes(memo, self.dst_pages))  # fmt: skip
         return self._signature
 
     def blocks(self) -> Blocks:

@@ -430,8 +430,9 @@ class DeviceDigest:
 
     ``max_blocks`` bounds the rows uploaded per launch (longer tables go in pieces, summed into
     the same sums); ``max_slots`` bounds the keys of one call (more is refused). One stream of its
-    own, of the highest priority, so a digest never queues behind the forward (:func:`_highest_priority`);
-    which forward work it must follow is named by the events the caller passes.
+    own, of the highest priority, so a digest never queues behind the forward
+    (:func:`_highest_priority`); which forward work it must follow is named by the events the
+    caller passes.
 
     :meth:`submit` never waits for the GPU: it fills one of ``lanes`` pinned buffers, uploads it,
     launches, queues the sums' download into the same buffer and records the lane's ``done``
