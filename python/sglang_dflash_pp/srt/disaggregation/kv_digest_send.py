@@ -668,7 +668,7 @@ def end_chunk(manager) -> None:
     if p is not None and digest is not None:
         if digest.windows and not p.inline:
             # its sums are read in a later window or at a status, not waited for here
-            if p.items:
+            if p.items or p.captured is not None:
                 digest.thread.submit(_digest_and_park, p, digest)
             else:
                 digest.park(p)
