@@ -1691,12 +1691,22 @@ TRIED_SCHEDULE = (
     "[`kv_digest_timeline_spin_59c67ae.json`](kv_digest_timeline_spin_59c67ae.json)) 10.2%, "
     "11.1%, 7.6%; restated as `_window_waits` since (this run's rows above, the GPU idle and busy). "
     "The asynchronous engine calls' first run, ce785d0 ([`kv_digest_cost_ce785d0.json`]"
-    "(kv_digest_cost_ce785d0.json), the product code of this run, no `_busy` rows): 5.0%, 6.3%, "
-    "3.6% (restated waiting windows 2.9%, 6.0%; waiting on the core 3.3%, 6.0%, 3.9%). A second "
-    "run of this run's product code, f3c2329 ([`kv_digest_cost_rerun_f3c2329.json`]"
+    "(kv_digest_cost_ce785d0.json), no `_busy` rows): 5.0%, 6.3%, 3.6% (restated waiting windows "
+    "2.9%, 6.0%; waiting on the core 3.3%, 6.0%, 3.9%). Two more runs of that product code: "
+    "4f47bc4 ([`kv_digest_cost_4f47bc4.json`](kv_digest_cost_4f47bc4.json)): the GPU busy, middle "
+    "3.6%, last 5.7% against 24.0%, 41.8% for the restated waiting windows; idle, asleep 6.9%, "
+    "6.5%, 4.1%, on the core 4.1%, 7.3%, 4.4%; f3c2329 ([`kv_digest_cost_rerun_f3c2329.json`]"
     "(kv_digest_cost_rerun_f3c2329.json)): the GPU busy, middle 2.4%, last 6.2% against 25.0%, "
     "40.4% for the restated waiting windows; idle, asleep 5.5%, 6.6%, 4.1% (waiting windows 3.3%, "
-    "6.2%), on the core 3.3%, 6.3%, 4.1% (3.7%, 6.5%)."
+    "6.2%), on the core 3.3%, 6.3%, 4.1% (3.7%, 6.5%). Then, toward this run's code: 29ad310 "
+    "([`kv_digest_cost_29ad310.json`](kv_digest_cost_29ad310.json), the state's dry run moved to a "
+    "window with nothing new queued, and DeviceDigest launching with addresses): idle, asleep "
+    "3.9%, 4.8%, 2.3%, on the core 2.3%, 3.5%, 2.5%; the GPU busy 2.9%, 5.5%; a224093 "
+    "([`kv_digest_cost_a224093.json`](kv_digest_cost_a224093.json), the hooks trimmed too, the "
+    "first `_busy_spin` rows): idle, asleep 1.9%, 2.9%, 2.0%, on the core 1.2%, 2.6%, 1.7%; the "
+    "GPU busy 2.4%, 4.9%; busy and on the core 0.9%, 3.6%. Its timelines are this page's "
+    "(`kv_digest_timeline.json`, `kv_digest_timeline_spin.json`); 29ad310's and ce785d0's carry "
+    "their commit in their names."
 )
 
 
@@ -1815,8 +1825,8 @@ def section(r, name="kv_digest_cost.json"):
             ("last", "_busy"): "shipped, **the GPU busy with the next chunk's forward** (bf16 GEMMs on another stream), the digest off so too",
             ("middle", "_window_waits_busy"): "each engine call waiting for its sums (restated), the GPU busy with the next chunk's forward",
             ("last", "_window_waits_busy"): "each engine call waiting for its sums (restated), the GPU busy with the next chunk's forward",
-            ("middle", "_busy_spin"): f"shipped, **the GPU busy with the next chunk's forward and {link_wait.HOW['spin']}** (serving with Mooncake's polling wait), the digest off so too",
-            ("last", "_busy_spin"): f"shipped, **the GPU busy with the next chunk's forward and {link_wait.HOW['spin']}** (serving with Mooncake's polling wait), the digest off so too",
+            ("middle", "_busy_spin"): f"shipped, **the GPU busy with the next chunk's forward and {link_wait.HOW['spin']}**, the digest off so too",
+            ("last", "_busy_spin"): f"shipped, **the GPU busy with the next chunk's forward and {link_wait.HOW['spin']}**, the digest off so too",
         }.get((which, mode), mode)
         out.append(
             f"| {which} | {how} | {us(off['wall_s'])} "
