@@ -239,8 +239,10 @@ class _Pending:
                  written: Tuple = ()):  # fmt: skip
         self.last = last
         self.ranks = ranks  # decode ranks the chunk goes to (0: not known)
-        # The worker chunk this is (:func:`begin_chunk`): its manager, room and KV-write events,
-        # and its digest scopes, one per decode rank and kind (its sends to a rank share it).
+        # The worker chunk this is (:func:`begin_chunk`): its manager, room and KV-write events
+        # as ``transfer_chunk`` (their owner) gave them at the chunk's start, read here so the
+        # send hooks do not ask for them per send; and its digest scopes, one per decode rank and
+        # kind (its sends to a rank share it).
         self.of, self.room, self.chunk_written = manager, room, written
         self.scopes: Dict[Tuple[str, BufferKind], "_Scope"] = {}
         self.inline = False
@@ -766,8 +768,7 @@ def digest_transfer(engine, session_id, buffers, peer_buffer_addresses, lengths)
     send run dry on the digest thread (:func:`prepare_states`), whose transfer must not happen;
     else the transfer moved with the worker's chunk digested in its window
     (:func:`_transfer_in_window`)."""
-    if getattr(_scope, "capture", None) is not None:  # a send run dry: keep, do not move
-        captured_transfer(session_id, buffers, peer_buffer_addresses, lengths)
+    if captured_transfer(session_id, buffers, peer_buffer_addresses, lengths):
         return 0
     current = getattr(_scope, "value", None)
     own = getattr(_scope, "pending", None)  # the chunk of this thread's worker, if it is one
