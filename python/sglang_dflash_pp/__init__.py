@@ -1,11 +1,11 @@
-"""sglang-dflash-pp: DFlash speculative decoding on a pipeline-parallel PD prefill server,
-with head-aware draft-KV transfer over Mooncake, as a plugin for stock ``sglang==0.5.23``.
+"""sglang-dflash-pp: the tools around the DFLASH x PP patch series for SGLang.
 
-Importing this package imports nothing from sglang; the hooks are registered by
-:func:`sglang_dflash_pp.plugin.register`, which SGLang calls through the
-``sglang.srt.plugins`` entry point in every server process.
+The change itself is the series (``series/``, the files it adds under ``python/sglang/``); this
+package applies it (``patch_series``) and checks a deployment against it (``tools``). Importing
+it imports nothing from sglang.
 """
 
-REQUIRED_SGLANG_VERSION = "0.5.23"
+# The sglang release the series is written against (its anchors, the CI's wheel).
+SGLANG_VERSION = "0.5.23"
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -22,3 +22,6 @@ def prefill_args(bootstrap: int) -> list:
 
 DECODE_ARGS = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake",
                "--disaggregation-decode-retraction-backup", "cpu_tensor"]
+
+# The router's own failure policies off: a failed request is the test's to see.
+ROUTER_ARGS = ("--disable-retries", "--disable-circuit-breaker", "--disable-health-check")
