@@ -1,7 +1,9 @@
 from sglang_dflash_pp.patch_series.cst_edits import (
     AddClassAttribute,
     AddImport,
+    AddKeywordArgument,
     AddMethod,
+    AddParameter,
     IfTest,
     InsertStatements,
     ReplaceExpression,
@@ -31,9 +33,9 @@ differ: for each draft entry, the heads both ranks hold (`compute_head_slice_par
 draft's own head count, `KVArgs.draft_total_kv_head_num`) move between the token rows of each
 side's own width, one descriptor per token row, as `send_kvcache_slice` does for the target. The
 target entries keep their own path (`send_kvcache`, `send_kvcache_slice`) and that path no longer
-sees the draft entries. A plain-MHA pool with a draft band publishes layer ids
-(`build_kv_layer_ids`), so the target entries pair with the decode's by id, not by a position
-the draft band shifts.
+sees the draft entries. Under DFLASH a plain-MHA pool publishes layer ids
+(`build_kv_layer_ids(pair_mha_by_layer_id=)`), so a PP stage's entries, and the target entries
+at another TP, pair with the decode's by id, not by a position the draft band shifts.
 
 At registration the prefill checks the decode's draft entries against the layout it will write
 (`_draft_kv_layout_mismatch`): their item lengths must hold the decode's share of the draft
@@ -82,6 +84,21 @@ end to end through real servers, in the project's CPU tests.
             module="sglang.srt.mem_cache.memory_pool",
             names=("MHATokenToKVPool",),
         ),
+        AddParameter(
+            "srt/disaggregation/utils.py",
+            "build_kv_layer_ids",
+            name="pair_mha_by_layer_id",
+            default="False",
+            annotation="bool",
+        ),
+        ReplaceStatement(
+            "srt/disaggregation/utils.py",
+            "build_kv_layer_ids",
+            statement="from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool",
+            code="""
+            from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MHATokenToKVPool
+            """,
+        ),
         InsertStatements(
             "srt/disaggregation/utils.py",
             "build_kv_layer_ids",
@@ -89,21 +106,45 @@ end to end through real servers, in the project's CPU tests.
                 "not isinstance(token_to_kv_pool, (HybridLinearKVPool, MiniMaxM3Nvfp4KVPool))"
             ),
             code="""
-            from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-            if (
-                type(token_to_kv_pool) is MHATokenToKVPool
-                and draft_token_to_kv_pool is not None
-            ):
-                # K then V of every layer, and the draft band after them: a peer's
-                # entries pair with these by id, not by a position the band shifts.
-                draft_ids = _draft_entry_layer_ids(
-                    pool=draft_token_to_kv_pool, num_entries=num_draft_entries
-                )
-                return list(token_to_kv_pool.model_layer_ids) * 2 + (
-                    _remap_draft_layer_ids(draft_ids, num_hidden_layers)
-                )
+            # A plain MHA pool lists K then V of its own layers: a PP stage's entries
+            # pair with a decode's by id, not by a position a draft band shifts.
+            pairs_mha = pair_mha_by_layer_id and type(token_to_kv_pool) is MHATokenToKVPool
             """,
+        ),
+        ReplaceExpression(
+            "srt/disaggregation/utils.py",
+            "build_kv_layer_ids",
+            old=(
+                "not isinstance(token_to_kv_pool, "
+                "(HybridLinearKVPool, MiniMaxM3Nvfp4KVPool))"
+            ),
+            new=(
+                "not pairs_mha and not isinstance("
+                "token_to_kv_pool, (HybridLinearKVPool, MiniMaxM3Nvfp4KVPool))"
+            ),
+        ),
+        ReplaceExpression(
+            "srt/disaggregation/utils.py",
+            "build_kv_layer_ids",
+            old="token_to_kv_pool.get_kv_layer_ids()",
+            new=(
+                "list(token_to_kv_pool.model_layer_ids) * 2 if pairs_mha "
+                "else token_to_kv_pool.get_kv_layer_ids()"
+            ),
+        ),
+        AddKeywordArgument(
+            "srt/disaggregation/prefill.py",
+            "PrefillBootstrapQueue._init_kv_manager",
+            call="build_kv_layer_ids",
+            keyword="pair_mha_by_layer_id",
+            value="self.scheduler.spec_algorithm.is_dflash()",
+        ),
+        AddKeywordArgument(
+            "srt/disaggregation/decode.py",
+            "DecodePreallocQueue._init_kv_manager",
+            call="build_kv_layer_ids",
+            keyword="pair_mha_by_layer_id",
+            value="self.scheduler.spec_algorithm.is_dflash()",
         ),
         InsertStatements(
             "srt/disaggregation/mooncake/conn.py",

@@ -2,10 +2,10 @@
 
 One deployment for the module, real ``launch_server`` processes started together:
 
-* ``P``: PD prefill, DFLASH, **PP2** (TP1 per stage): the plugin's path (the last stage holds
-  the draft and sends its KV);
+* ``P``: PD prefill, DFLASH, **PP2** (TP1 per stage): the last stage holds the draft and sends
+  its KV;
 * ``D``: PD decode, DFLASH, **TP2**: the draft has 2 KV heads, so P's last stage holds 2 per
-  rank and each D rank 1, and the draft KV goes through the plugin's head-aware packed send;
+  rank and each D rank 1, and the draft KV goes head by head;
 * ``R``: the real PD router. Its own failure policies are off (``ROUTER_ARGS``): no retries, no
   circuit breaker, no background health checks, so what a client sees is what the servers did.
   (With the router's defaults a fault's outcome depends on when a 60 s health check lands: a
@@ -26,13 +26,9 @@ micro-batches), their tokens and D's draft KV rows on both D ranks (the test rea
 1. the client drops its connection while P is still prefilling a long prompt chunk by chunk;
 2. D is SIGKILLed while P prefills a long prompt, then started again on the same port with the
    same arguments (P must take the new decode's registration);
-3. one draft KV send on P's last stage raises (the test-only hook ``cpu_support/fault_injection``):
-   that request fails with a clear error (P concludes its room as failed with the exception's
-   text), and the decode is not treated as dead (P does not mark its session failed): the very
-   next request, sent at once (well inside sglang's 30 s failed-session probe interval), is
-   served;
-4. an empty prompt sent to P: refused with a 400 by every stage at admission (the plugin's
-   ``empty_prompt_refusal``), and P keeps serving.
+3. an empty prompt through the router: refused with a 400 by both servers' tokenizers (it used
+   to crash a PP stage's forward and leave the decode unable to release it), and every server
+   keeps serving.
 
 After each fault (bounded, ``RECOVERY_S``): P's two stages and D's two ranks are idle with no KV
 held by a request: ``/v1/loads`` of each server (which reports one scheduler, PP rank 0 /
@@ -80,13 +76,13 @@ STRICT_IDLE = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 RECOVERY_S = 120.0  # fault resolved -> every rank idle with no KV held
 REQUEST_S = 120.0  # a request that a fault breaks must end within this
 PREFILL_SEEN_S = 60.0  # the long prompt's first chunks show up in P's log within this
+EMPTY_PROMPT_MESSAGE = "The input prompt is empty"  # TokenizerManager._validate_one_request
 SESSION_PROBE_S = 30.0  # stock SGLANG_FAILED_SESSION_PROBE_INTERVAL_S
 # The fault tests act once this many chunks of their prompt are logged; at least MIN_LEFT chunks
 # must still be ahead of P then (the fault lands mid chunked prefill, not after it).
 CHUNKS_SEEN, MIN_LEFT = 2, 10
 # P's stages and D's ranks, as named by idle_check_trace.
 RANKS = {"P": ("pp0-tp0", "pp1-tp0"), "D": ("pp0-tp0", "pp0-tp1")}
-FAULT_MESSAGE = "test-injected prefill-side failure in the draft KV send"  # fault_injection.MESSAGE
 # P's first stage logs each prefill micro-batch: its new tokens and the chunked prompt's rest.
 PREFILL_LINE = re.compile(
     r"PP0\] Prefill batch, #new-seq: \d+, #new-token: (\d+), .*?#pending-token: (\d+)")
@@ -105,7 +101,6 @@ class Faults:
         self.root = root
         self.dep = Deployment("pd-faults")
         self.dump = os.path.join(root, "decode_draft_kv")
-        self.fault_dir = os.path.join(root, "fault")
         self.idle = {"P": os.path.join(root, "idle-P"), "D": os.path.join(root, "idle-D")}
         self.boot = cpu_servers.free_port()
 
@@ -124,15 +119,13 @@ def fx(e2e_root, stub_root):
     target = models.write_llama_target(os.path.join(root, "target"), kv_heads=4)
     draft = models.write_dflash_draft(os.path.join(root, "draft"))
     f = Faults(root)
-    os.makedirs(f.fault_dir, exist_ok=True)
     launch = lambda name, args, **kw: f.dep.add(  # noqa: E731
         cpu_servers.launch_server(name, root, target, args, stub_root=stub_root, spec=True,
                                   pd=True, ranks=2, **kw)
     )
     try:
         p = launch("P", server_args(draft, *prefill_args(f.boot), "--pp-size", "2"),
-                   env={**STRICT_IDLE, "SGLANG_DFLASH_PP_TEST_IDLE_CHECK_DIR": f.idle["P"],
-                        "SGLANG_DFLASH_PP_TEST_FAULT_DIR": f.fault_dir})
+                   env={**STRICT_IDLE, "SGLANG_DFLASH_PP_TEST_IDLE_CHECK_DIR": f.idle["P"]})
         d = launch("D", server_args(draft, *DECODE_ARGS, "--tp-size", "2"),
                    env={**STRICT_IDLE, "SGLANG_DFLASH_PP_TEST_IDLE_CHECK_DIR": f.idle["D"],
                         "SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": f.dump})
@@ -381,66 +374,15 @@ def test_decode_killed_during_prefill_then_restarted_on_same_port(fx, reference)
     assert_reference_again(fx, reference, "long", "f2-next-long")
 
 
-# -- 3. a prefill-side failure in the last stage's draft KV send -----------------------------------
+# -- 3. an empty prompt through the router ------------------------------------------------------
 
 
-def test_failed_draft_send_fails_that_request_only(fx, reference):
-    trigger = os.path.join(fx.fault_dir, "fail-next-draft-send")
-    assert not os.path.exists(trigger) and not glob.glob(os.path.join(fx.fault_dir, "injected-*"))
-    flush(fx)
-    offset = log_offset(fx.dep["P"])
-    with open(trigger, "w"):
-        pass
-    failed = post_once(fx.router, REFERENCE["long"], "f3-injected")
-    # The very next request, at once: flushed first (the same prefill computation as the
-    # reference), which takes a fraction of a second on an idle P.
-    flush(fx, timeout_s=SESSION_PROBE_S / 3)
-    next_sent_after = time.time() - failed["ended_at"]
-    nxt = post_once(fx.router, REFERENCE["long"], "f3-next-long")
-
-    assert failed["status"] is not None and failed["status"] >= 500, (failed, fx.tails())
-    assert failed["seconds"] <= REQUEST_S, (failed, fx.tails())
-    injected = []
-    for path in glob.glob(os.path.join(fx.fault_dir, "injected-*.json")):
-        with open(path) as f:
-            injected.append(json.load(f))
-    assert not os.path.exists(trigger), (
-        f"no draft KV send ran: the injection never fired{fx.tails()}")
-    assert len(injected) == 1 and injected[0]["pp_rank"] == 1, injected  # the last stage, once
-
-    assert next_sent_after < SESSION_PROBE_S / 2, next_sent_after
-    assert nxt["status"] == 200, (
-        f"the request after one failed draft send was not served: the decode was treated as "
-        f"dead. {nxt}{fx.tails()}")
-    out = json.loads(nxt["text"])
-    assert out["output_ids"] == reference["long"]["output_ids"], (out["output_ids"], fx.tails())
-
-    p_log = log_since(fx.dep["P"], offset)
-    reason = [line for line in p_log.splitlines()
-              if "Prefill transfer failed" in line and "f3-injected" in line]
-    assert reason and any(FAULT_MESSAGE in line for line in reason), (
-        f"P did not conclude the room as failed with the exception's text: {reason}{fx.tails()}")
-    session = injected[0]["session"]
-    assert f"Session {session} failed." not in p_log, (
-        f"P marked decode session {session} failed{fx.tails()}")
-
-    for tp in (0, 1):
-        ref, got = reference["long"]["dumps"][tp], read_dump(fx, "f3-next-long", tp)
-        for kind in ("k", "v"):
-            assert torch.equal(got[kind], ref[kind]), ("f3-next-long", tp, kind)
-    assert_recovered(fx, nxt["ended_at"], "the failed draft send")
-
-
-# -- 4. an empty prompt at the PP prefill ------------------------------------------------------------
-
-
-def test_an_empty_prompt_is_refused_by_the_pp_prefill_which_keeps_serving(fx, reference):
-    """A 0-token prompt would crash a PP stage's forward (``docs/upstream/bugs/empty-prompt/``);
-    the plugin's admission check refuses it with a 400 on every stage. Sent to P directly: the
-    stock decode behind the router cannot release a 0-token request (the report's decode half)."""
-    from pd_prefill_checks import assert_empty_prompt_refused_by_prefill
-
+def test_an_empty_prompt_is_refused_and_every_server_keeps_serving(fx, reference):
+    """A 0-token prompt used to crash a PP stage's forward and leave the decode unable to
+    release it; both servers now refuse it at their tokenizer, and the router answers 400."""
     sent_at = time.time()
-    assert_empty_prompt_refused_by_prefill(fx.dep["P"].base_url, fx.boot)
-    assert_reference_again(fx, reference, "short", "f4-next-short")
+    refused = post_once(fx.router, "", "f3-empty")
+    assert refused["status"] == 400, (refused, fx.tails())
+    assert EMPTY_PROMPT_MESSAGE in refused["text"], refused["text"][:500]
+    assert_reference_again(fx, reference, "short", "f3-next-short")
     assert_recovered(fx, sent_at, "the empty prompt")

@@ -1,7 +1,8 @@
-"""Session-wide fixtures: SGLang with our plugin loaded, and tiny model directories."""
+"""Session-wide fixtures: the patched sglang tree, and tiny model directories."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -10,15 +11,19 @@ import tiny_models
 
 
 @pytest.fixture(scope="session")
-def sglang_with_plugin():
-    """Load plugins exactly as every SGLang server process does."""
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
-    from sglang_dflash_pp.hooks import registered_hooks
-
-    assert registered_hooks(), "sglang-dflash-pp did not register through the entry point"
+def patched_sglang():
+    """The installed sglang carries the patch series (its new module is importable). Nothing is
+    loaded into it: the change is in-tree now, where the plugin once hooked it at startup."""
+    assert importlib.util.find_spec("sglang.srt.speculative.dflash_pp") is not None, (
+        "the installed sglang is not patched; apply the series (sglang-dflash-pp install)"
+    )
     return True
+
+
+@pytest.fixture(scope="session")
+def sglang_with_plugin(patched_sglang):
+    """The old name of ``patched_sglang``, for the test modules that still ask for it."""
+    return patched_sglang
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +70,7 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def single_process_dist(sglang_with_plugin):
+def single_process_dist(patched_sglang):
     """World-size-1 gloo distributed state and a published runtime context, as sglang's own
     layer tests set it up (``sglang.test.layer_ut_utils.init_single_process_dist``); the srt
     layers read their TP groups from it even at TP1.
@@ -149,7 +154,7 @@ def cpu_server(cpu_server_factory):
 
 
 @pytest.fixture(scope="module")
-def dflash_runtime_config(sglang_with_plugin):
+def dflash_runtime_config(patched_sglang):
     """A published runtime config (DFLASH; everything else default, e.g. no unified memory), as a
     server process has one, for driving disaggregation code outside a server; restored to
     whatever was published before when the module ends."""

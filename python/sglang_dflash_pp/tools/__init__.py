@@ -1,6 +1,6 @@
-"""Operator tools behind the ``sglang-dflash-pp`` console script (``check``, ``preflight``).
+"""Operator tools behind the ``sglang-dflash-pp`` console script (``check``).
 
-They reuse the plugin's own modules for every number they print (ownership rule, carry dtype,
-draft-KV geometry and plan, the Mooncake send path), so what they report is what a server
-running the plugin would do, not a second model of it.
+They run the patched sglang tree's own code for every number and verdict they print (argument
+resolution, PP stage build, draft-KV head slicing, the Mooncake registration verdict), so what
+they report is what a server of the patched tree would do, not a second model of it.
 """

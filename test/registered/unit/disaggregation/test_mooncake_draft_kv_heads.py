@@ -219,24 +219,20 @@ class TestDraftKVHeads(unittest.TestCase):
             manager._draft_kv_layout_mismatch(_registration(memory, 0, 4, pools))
         )
 
-    def test_mha_pool_with_a_draft_band_pairs_by_layer_id(self):
+    def test_mha_pool_pairs_by_layer_id_under_dflash(self):
         target = object.__new__(MHATokenToKVPool)
         target.model_layer_ids = (2, 3)  # the second of two PP stages
-        draft = SimpleNamespace(layer_num=LAYERS)
-        ids = build_kv_layer_ids(
+        ids = lambda draft, pair: build_kv_layer_ids(  # noqa: E731
             token_to_kv_pool=target,
             draft_token_to_kv_pool=draft,
-            num_draft_entries=2 * LAYERS,
+            num_draft_entries=0 if draft is None else 2 * LAYERS,
             num_hidden_layers=4,
+            pair_mha_by_layer_id=pair,
         )
-        self.assertEqual(ids, [2, 3, 2, 3, 4, 5, 4, 5])
-        no_draft = build_kv_layer_ids(
-            token_to_kv_pool=target,
-            draft_token_to_kv_pool=None,
-            num_draft_entries=0,
-            num_hidden_layers=4,
-        )
-        self.assertEqual(no_draft, [])
+        draft = SimpleNamespace(layer_num=LAYERS)
+        self.assertEqual(ids(draft, True), [2, 3, 2, 3, 4, 5, 4, 5])
+        self.assertEqual(ids(None, True), [2, 3, 2, 3])  # a stage without the draft
+        self.assertEqual(ids(draft, False), [])  # other algorithms: positional, as before
 
 
 if __name__ == "__main__":
