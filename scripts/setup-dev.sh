@@ -18,4 +18,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test]"
+# The patch series, applied in place to the wheel's sglang: the test session refuses to start
+# on an sglang that does not carry this checkout's series.
+.venv/bin/python -m sglang_dflash_pp.patch_series.install
 .venv/bin/python -c "import sglang_dflash_pp, mooncake.engine; print('environment ready')"

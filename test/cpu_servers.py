@@ -95,7 +95,7 @@ def write_flashinfer_stub(root: str) -> str:
     which is False on a CPU (``sglang.srt.utils.common``: ``find_spec("flashinfer")`` and
     ``is_cuda()``), so with the stub each import takes the fallback it names, and nothing that
     ran on a CPU called flashinfer before. ``test_server_stubs`` checks it on stock's code.
-    Test-only: the shipped plugin never sees it. ``test/conftest.py`` puts it first on the test
+    Test-only: the series never sees it. ``test/conftest.py`` puts it first on the test
     session's path, which the servers inherit; :func:`write_server_stubs` writes it again into
     the servers' own stub root for the launches that set ``PYTHONPATH`` from scratch (the
     patched-tree servers)."""

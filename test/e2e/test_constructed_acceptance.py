@@ -8,7 +8,7 @@ accepted exactly when the last committed token is 2, so the tokens per verify st
 count and the acceptance length follow in closed form (``e2e_models.verify_steps``), computed
 here without sglang.
 
-Deployment (c) of the issue with this pair: P = DFLASH PP2 prefill (the plugin) -> Mooncake ->
+Deployment (c) of the issue with this pair: P = DFLASH PP2 prefill -> Mooncake ->
 D = DFLASH decode -> the real router. Also the GSM8K benchmark client
 (``benchmark/gsm8k/bench_dflash_pd.py``) against it: its acceptance figures come from a real
 DFLASH run and must equal the closed form.

@@ -9,7 +9,7 @@ Deployments, real ``launch_server`` processes behind the real router, every serv
 dummy weights (not the tests' seeded ones):
 
 * (b) ``P1 -> D``: PD, DFLASH PP1 prefill (stock);
-* (c) ``P2 -> D``: PD, DFLASH **PP2** prefill (the plugin).
+* (c) ``P2 -> D``: PD, DFLASH **PP2** prefill.
 
 Asserted: the same greedy tokens, and D's draft KV of every request after the transfer equal
 within the fp32 bound of :func:`draft_kv_dumps.fp32_draft_kv_tolerance`.

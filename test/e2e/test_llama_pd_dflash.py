@@ -4,14 +4,14 @@ Deployments, each real ``launch_server`` processes, the PD ones behind the real 
 
 * (a) ``A``: one non-PD DFLASH server (stock, PP1);
 * (b) ``P1 -> D1``: PD, prefill DFLASH PP1 (stock), decode DFLASH;
-* (c) ``P2 -> D1``: PD, prefill DFLASH **PP2** (the plugin: partial projection, last-stage draft,
+* (c) ``P2 -> D1``: PD, prefill DFLASH **PP2** (partial projection, last-stage draft,
   Llama capture on every stage, layer-id pairing of the MHA transfer entries), the same decode;
 * (d) ``P2 -> D2``: the same PP2 prefill into a decode at attention **TP2**. The draft has 2 KV
   heads and the target 4: P holds 2 draft heads per rank, each D2 rank 1, so the draft KV goes
-  head-aware (packed on P, one descriptor per page run) while sglang slices the target heads;
+  head by head while sglang slices the target heads;
 * (e) ``P3 -> D1``: a **TP2 x PP2** prefill (four ranks; the draft at TP2 on the last stage, one
-  draft head per rank) into the TP1 decode: the other direction of head mismatch (per-token
-  descriptors, two prefill ranks writing one decode rank).
+  draft head per rank) into the TP1 decode: the other direction of head mismatch (two prefill
+  ranks writing disjoint heads of each decode token row).
 
 The same prompts go through all three, one at a time and then all at once: a short prompt, one
 longer than ``--chunked-prefill-size`` (the PP path runs chunked, several micro-batches in
@@ -37,7 +37,6 @@ import torch
 
 import cpu_servers
 import e2e_models as models
-import llama_reference
 from deployments import Deployment
 from deployment_args import CHUNK, DECODE_ARGS, ROUTER_ARGS, prefill_args, server_args
 from draft_kv_dumps import fp32_draft_kv_tolerance, read_dumps
@@ -150,7 +149,6 @@ def outputs(deployments, llama):
         }
     _flush(deployments["P2"])
     out["d"] = {"sequential": _run_round(deployments["router-d"].base_url, "d-seq", parallel=False)}
-    llama_reference.record(llama, out)  # the patched-tree module compares against these
     return out
 
 

@@ -58,10 +58,11 @@ def test_example_stages_and_carry(example):
     r = example[1]
     assert [s["layers"] for s in r["stages"]] == [
         [0, 11], [11, 22], [22, 33], [33, 45], [45, 57], [57, 69], [69, 81], [81, 93]
-    ]  # fmt: skip
+    ]
     # Feature L is read at layer L + 1's input: 20 on stage 1, 38 on 3, ..., 91 on 7.
     assert [s["features"] for s in r["stages"]] == [[], [0], [], [1], [2], [3], [4], [5]]
-    assert [s["captured_layers"] for s in r["stages"]] == [[], [19], [], [37], [54], [66], [78], [90]]
+    captured = [[], [19], [], [37], [54], [66], [78], [90]]
+    assert [s["captured_layers"] for s in r["stages"]] == captured
     assert [s["receives_partial"] for s in r["stages"]] == [False, False] + [True] * 6
     assert [s["holds_draft"] for s in r["stages"]] == [False] * 7 + [True]
     assert [c["partial_fp32"] for c in r["carry"]] == [0] + [4 * 7168] * 6
@@ -84,7 +85,7 @@ def test_example_draft_kv_heads_and_writes(example):
     }
 
 
-def test_another_prefill_rank_and_equal_tp(capsys, patched_sglang):
+def test_other_prefill_rank_and_decode_tp_sizes(capsys, patched_sglang):
     code, r = check_json(capsys, "--example", "kimi-k3", "--prefill-rank", "3")
     assert code == EXIT_OK
     assert [(w["decode_rank"], w["heads"]) for w in r["draft_kv"]["writes"]] == [
@@ -94,14 +95,22 @@ def test_another_prefill_rank_and_equal_tp(capsys, patched_sglang):
     k = r["draft_kv"]
     assert code == EXIT_OK and not k["head_by_head"]
     assert k["writes"] == [dict(decode_rank=0, heads=[0, 1], bytes=4096 * 12 * 2 * 128 * 2,
-                                descriptors=12)]  # fmt: skip
+                                descriptors=12)]
+    # D TP2 < P TP4: P rank 3 fills heads 6, 7 of D rank 1 (which holds 4-7) row by row.
+    code, r = check_json(capsys, "--example", "kimi-k3", "--decode-tp-size", "2",
+                         "--prefill-rank", "3")
+    k = r["draft_kv"]
+    assert code == EXIT_OK and k["decode_heads"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert k["writes"] == [dict(decode_rank=1, heads=[6, 7], bytes=4096 * 12 * 2 * 128 * 2,
+                                descriptors=4096 * 12)]
 
 
 def test_text_output(capsys, patched_sglang):
     assert main(["check", "--example", "kimi-k3"]) == EXIT_OK
     text = capsys.readouterr().out
     assert "stage 7  layers [81, 93)  features: 5 (layer 90)" in text
-    assert "D rank 7: head 1, 12,582,912 B, 49,152 descriptors" in text
+    assert "D rank 7: heads [1], 12,582,912 B, 49,152 descriptors" in text
+    assert "in all: 100,663,296 B, 393,216 descriptors" in text
     assert text.rstrip().endswith("Startup would accept this deployment.")
 
 
@@ -116,7 +125,7 @@ def _qwen2(model_dirs):
     return ["--model-path", model_dirs["qwen2_target"], "--speculative-draft-model-path",
             model_dirs["draft"], "--speculative-algorithm", "DFLASH", "--pp-size", "2",
             "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake",
-            "--cuda-graph-backend-prefill", "disabled", "--page-size", "16"]  # fmt: skip
+            "--cuda-graph-backend-prefill", "disabled", "--page-size", "16"]
 
 
 REFUSED = {
@@ -138,7 +147,7 @@ REFUSED = {
     ),
     "quantized_draft": (
         lambda d, t: ["--example", "kimi-k3", "--", "--speculative-draft-model-path",
-                      _quantized_draft(t)],  # fmt: skip
+                      _quantized_draft(t)],
         "needs an unquantized DFlashDraftModel with a plain fc",
     ),
     "staging_buffer_across_tp": (

@@ -2,7 +2,7 @@
 
 The prefill's launch arguments come from ``--example`` (packaged config stand-ins, so it runs on
 a machine with no GPU and no checkpoint), from what follows ``--``, or both: launch arguments
-after an example are appended to its own, and argparse's last-wins rule lets them override it.
+after an example are appended to its own, so argparse's last-wins rule lets them override it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from sglang_dflash_pp.tools.exit_codes import EXIT_OK, EXIT_REFUSED
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "check",
-        # Launch arguments share names with ours (--page-size); no prefix may match one.
-        allow_abbrev=False,
+        allow_abbrev=False,  # launch arguments share names with ours: no prefix may match one
         help="topology report and startup refusals of a DFLASH P/D deployment",
         description="Resolve the prefill's launch arguments (after '--') with sglang's real "
         "ServerArgs, then report the PP partition, the draft features each stage captures, "
@@ -40,17 +39,16 @@ def run(parser, args) -> int:
     from sglang_dflash_pp.tools.check_text import render
     from sglang_dflash_pp.tools.resolve import launch_argv
 
-    launch = [a for a in args.rest if a != "--"] if args.rest else []
+    launch = [a for a in args.rest or [] if a != "--"]
     decode_tp, tokens, label = args.decode_tp_size, args.prompt_tokens, "prefill launch arguments"
     if args.example:
         ex = examples.load(args.example)
         launch = ex.prefill_argv() + launch
         decode_tp, tokens = decode_tp or ex.decode_tp_size, tokens or ex.prompt_tokens
         label = f"example {ex.name} ({ex.description})"
-    if not launch:
-        parser.error("check: give --example or the prefill's launch arguments after '--'")
-    if not decode_tp:
-        parser.error("check: --decode-tp-size is required (the decode's attention TP)")
+    if not launch or not decode_tp:
+        parser.error("check: give --example, or the prefill's launch arguments after '--' and "
+                     "--decode-tp-size (the decode's attention TP)")
     if args.page_size:
         launch += ["--page-size", str(args.page_size)]
     inputs = CheckInputs(launch_argv(launch), decode_tp, tokens or 4096, args.prefill_rank, label)

@@ -2,8 +2,8 @@
 
 Each is a target ``config.json``, a draft ``config.json`` (shape stand-ins, no weights; see the
 README next to them) and ``topology.json``: the prefill's launch arguments without the model
-paths, the page size, the decode TP size and a prompt length. ``check --example`` reads them
-(``preflight`` the Kimi-K3 one), so the examples run on a fresh machine.
+paths, the page size, the decode TP size and a prompt length. ``check --example`` reads them,
+so the examples run on a fresh machine.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 ``check`` plans a GPU deployment from any machine, including one without a GPU. Resolution makes
 no CUDA call, so ``--device cuda`` is only a string there; the one decision that asks the local
 platform instead of the argument is the Mamba radix-cache probe (see :func:`resolving_for_gpu`).
-Every other startup refusal of sglang's ``ServerArgs`` (the series' DFLASH x PP gate included)
-runs for real.
+Every other startup refusal of sglang's ``ServerArgs`` (the series' gate included) runs for real.
 """
 
 from __future__ import annotations
@@ -16,17 +15,13 @@ import sys
 import warnings
 from typing import Iterator, List, Optional, Tuple
 
-LAUNCH_PREFIX = ("-m", "sglang.launch_server")
-
 
 @contextlib.contextmanager
 def quiet_sglang(verbose: bool = False) -> Iterator[None]:
-    """Keep stdout for the report (anything sglang prints goes to stderr) and, unless
-    ``verbose``, drop sglang's INFO logs and import-time platform warnings."""
-    log = logging.getLogger("sglang")
-    level = log.level
-    if not verbose:
-        log.setLevel(logging.WARNING)
+    """Keep stdout for the report (what sglang prints goes to stderr) and, unless ``verbose``,
+    drop sglang's INFO logs and import-time platform warnings."""
+    log, level = logging.getLogger("sglang"), logging.getLogger("sglang").level
+    log.setLevel(level if verbose else logging.WARNING)
     try:
         with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():
             if not verbose:
@@ -41,11 +36,9 @@ def resolving_for_gpu(device: Optional[str]) -> Iterator[None]:
     """Answer the Mamba cache platform probe as the CUDA platform does, while resolving for CUDA.
 
     Why: Kimi-K3's default radix-cache strategy (``extra_buffer``) asks
-    ``mamba_hook._platform_supports_mamba_cache_extra_buffer()``, which reads the platform of
-    *this* process rather than the ``--device`` being resolved for. Without a GPU it answers
-    False and resolution fails with "extra_buffer requires platform support for Mamba cache
-    state snapshots", a refusal the GPU server never raises. So for ``--device cuda`` on a
-    non-CUDA platform the probe answers True for the duration of the resolution only.
+    ``mamba_hook._platform_supports_mamba_cache_extra_buffer()``, which reads *this* process's
+    platform, not the ``--device`` resolved for: without a GPU resolution fails ("extra_buffer
+    requires platform support for Mamba cache state snapshots"), which a GPU server never does.
     """
     import sglang.srt.arg_groups.mamba_hook as mamba_hook
     from sglang.srt.runtime_context import get_platform
@@ -64,11 +57,8 @@ def resolving_for_gpu(device: Optional[str]) -> Iterator[None]:
 def launch_argv(argv: List[str]) -> List[str]:
     """``argv`` without a pasted ``python -m sglang.launch_server`` prefix, and with
     ``--device cuda`` appended when no device is given: the server planned runs on CUDA."""
-    argv = list(argv)
-    for i in range(min(len(argv), 2)):
-        if tuple(argv[i : i + 2]) == LAUNCH_PREFIX:
-            argv = argv[i + 2 :]
-            break
+    prefix = argv.index("sglang.launch_server") if "sglang.launch_server" in argv[:3] else -1
+    argv = list(argv[prefix + 1 :])
     if not any(a == "--device" or a.startswith("--device=") for a in argv):
         argv += ["--device", "cuda"]
     return argv
@@ -91,5 +81,5 @@ def resolve(argv: List[str]) -> Tuple[object, Optional[str]]:
             record.resolve_once()
             record.check_server_args()
     except Exception as e:  # every startup refusal raised while resolving
-        return record, f"{type(e).__name__}: {e}".rstrip(": ")
+        return record, f"{type(e).__name__}: {e}"
     return record, None

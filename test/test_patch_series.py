@@ -1,0 +1,376 @@
+"""The patch series as upstream will read it: the commits ``export-patches`` writes onto the
+wheel's own sglang (the session's ``exported_series``, ``test/conftest.py``).
+
+They must apply with ``git am`` and give the tree the installer gives this environment (the
+servers of every other test run that tree); every prefix must import what it touched and the
+unit tests it adds must pass on the tree alone; and the product code must read as sglang's own:
+no process-wide tricks, no trace of this repository, sglang's formatter, a reviewable size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, NamedTuple
+
+import pytest
+
+import cpu_servers
+from sglang_dflash_pp.patch_series import export_command
+from sglang_dflash_pp.patch_series.series import PACKAGE_PATH, load_series
+
+SERIES = load_series()
+PY = sys.executable
+RUFF = [PY, "-m", "ruff"]
+LINE_LENGTH = 88
+
+
+def git(root, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True,
+                          text=True).stdout
+
+
+class Added(NamedTuple):
+    path: str
+    line: int  # in the new file
+    text: str
+
+
+def added_lines(patch: str) -> List[Added]:
+    """The lines a ``git format-patch`` adds, with their file and line number."""
+    out, path, line, in_hunk = [], None, 0, False
+    for raw in patch.splitlines():
+        if raw.startswith("diff --git "):
+            path, in_hunk = raw.split(" b/", 1)[1], False
+        elif path and raw.startswith("@@"):
+            line, in_hunk = int(re.match(r"@@ -\S+ \+(\d+)", raw).group(1)), True
+        elif in_hunk and raw.startswith("+"):
+            out.append(Added(path, line, raw[1:]))
+            line += 1
+        elif in_hunk and raw.startswith(" "):
+            line += 1
+    return out
+
+
+def is_product(path: str) -> bool:
+    return path.startswith(PACKAGE_PATH + "/")
+
+
+@pytest.fixture(scope="module")
+def patches(exported_series) -> Dict[str, List[Added]]:
+    """PR name -> the lines its patch adds."""
+    names = exported_series.report["patches"]
+    assert len(names) == len(SERIES)
+    return {pr.name: added_lines((exported_series.out / name).read_text())
+            for pr, name in zip(SERIES, names)}
+
+
+@pytest.fixture(scope="module")
+def stub_root(tmp_path_factory) -> str:
+    return cpu_servers.write_flashinfer_stub(str(tmp_path_factory.mktemp("stub")))
+
+
+# -- a. the commits, git am, and the installer agree ------------------------------------------
+
+
+def test_one_commit_per_pr_with_exactly_its_message(exported_series):
+    root = exported_series.root
+    commits = git(root, "rev-list", "--reverse", f"{exported_series.base}..HEAD").split()
+    assert [r["commit"] for r in exported_series.report["prs"]] == commits
+    assert len(commits) == len(SERIES)
+    for pr, commit in zip(SERIES, commits):
+        raw = git(root, "cat-file", "commit", commit)
+        assert raw.split("\n\n", 1)[1] == pr.message(), pr.name
+
+
+def test_patches_apply_with_git_am_to_the_same_tree(exported_series, tmp_path):
+    root, am = exported_series.root, tmp_path / "am"
+    # A second repository at the base commit (objects shared, work tree its own).
+    git(tmp_path, "clone", "-q", "--shared", "--no-checkout", str(root), str(am))
+    git(am, "checkout", "-q", "--detach", exported_series.base)
+    patches = sorted(str(p) for p in exported_series.out.glob("*.patch"))
+    env = ["-c", "user.name=t", "-c", "user.email=t@t.invalid"]
+    git(am, *env, "am", "-q", "--keep-non-patch", *patches)
+    for tree in ("python/sglang", "test/registered"):
+        assert git(am, "rev-parse", f"HEAD:{tree}") == git(root, "rev-parse", f"HEAD:{tree}")
+    assert git(am, "log", "--format=%B%x00", exported_series.base + "..") == git(
+        root, "log", "--format=%B%x00", exported_series.base + ".."
+    )
+
+
+def test_exported_tree_is_the_installed_tree(exported_series):
+    """``install`` and ``export-patches`` apply the same PRs: the servers run what upstream
+    reads."""
+    root, site, state = exported_series.root, exported_series.site, exported_series.state
+    status = {}
+    diff = git(root, "diff", "--name-status", exported_series.base, "HEAD", "--", PACKAGE_PATH)
+    for row in diff.splitlines():
+        kind, path = row.split("\t")
+        status[path] = kind
+    assert sorted(p for p, k in status.items() if k == "M") == sorted(state["upstream"])
+    assert sorted(p for p, k in status.items() if k == "A") == sorted(state["added"])
+    differ = [p for p in status
+              if (root / p).read_bytes() != (site / p[len("python/"):]).read_bytes()]
+    assert not differ, f"installed != exported: {differ}; run `sglang-dflash-pp install`"
+
+
+# -- b. every prefix imports what it touched ---------------------------------------------------
+
+
+IMPORT = """\
+import importlib, json, sys
+mods = json.loads(sys.argv[1])
+for m in mods:
+    importlib.import_module(m)
+print(json.dumps({m: sys.modules[m].__file__ for m in mods + ["sglang"]}))
+"""
+
+
+def module_name(path: str) -> str:
+    parts = path[len("python/"):-len(".py")].split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def checkout_python(root: Path, commit: str, touched: List[str], dest: Path) -> None:
+    """``python/`` at ``commit``: the series changes only ``touched``, so every other file is
+    HEAD's, hard-linked (bytecode included, valid for the same inode); the touched files come
+    from ``git archive`` of the commit, and their bytecode is dropped."""
+    shutil.copytree(root / "python", dest / "python", copy_function=os.link)
+    for path in touched:
+        (dest / path).unlink(missing_ok=True)
+        stem = Path(path).stem
+        for pyc in (dest / path).parent.glob(f"__pycache__/{stem}.*.pyc"):
+            pyc.unlink()
+    present = git(root, "ls-tree", "-r", "--name-only", commit, "--", *touched).split()
+    archive = subprocess.run(["git", "archive", commit, "--", *present], cwd=root,
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
+def test_every_prefix_imports_the_modules_it_touched(exported_series, stub_root, tmp_path):
+    root = exported_series.root
+    base = exported_series.base
+    touched = git(root, "diff", "--name-only", base, "HEAD", "--", "python").split()
+    commits = [r["commit"] for r in exported_series.report["prs"]]
+
+    def run(i: int, commit: str):
+        changed = git(root, "diff-tree", "--no-commit-id", "--name-only", "-r", commit).split()
+        modules = [module_name(p) for p in changed if is_product(p) and p.endswith(".py")]
+        dest = tmp_path / f"prefix{i}"
+        checkout_python(root, commit, touched, dest)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([stub_root, str(dest / "python")]))
+        done = subprocess.run([PY, "-c", IMPORT, json.dumps(modules)], cwd=dest, env=env,
+                              capture_output=True, text=True)
+        return commit, modules, dest, done
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, range(len(commits)), commits))
+    for pr, (commit, modules, dest, done) in zip(SERIES, results):
+        assert done.returncode == 0, f"{pr.name} ({commit[:12]}): {done.stderr[-3000:]}"
+        files = json.loads(done.stdout.splitlines()[-1])
+        assert modules and set(files) == set(modules) | {"sglang"}
+        elsewhere = {m: f for m, f in files.items() if not f.startswith(str(dest / "python"))}
+        assert not elsewhere, f"{pr.name}: imported outside its tree: {elsewhere}"
+
+
+# -- c. the unit tests the series adds pass on the tree alone ---------------------------------
+
+
+def count_test_functions(test_root: Path) -> int:
+    n = 0
+    for path in test_root.rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+                n += sum(isinstance(f, ast.FunctionDef) and f.name.startswith("test")
+                         for f in node.body)
+        n += sum(isinstance(f, ast.FunctionDef) and f.name.startswith("test")
+                 for f in ast.parse(path.read_text()).body)
+    return n
+
+
+def test_the_series_unit_tests_pass_on_the_exported_head(exported_series, stub_root, tmp_path):
+    root = exported_series.root
+    junit = tmp_path / "junit.xml"
+    script = (
+        "import sys, sglang, pytest; print('SGLANG', sglang.__file__); "
+        f"sys.exit(pytest.main([{str(root / 'test/registered')!r}, '-q', "
+        f"'-p', 'no:cacheprovider', '--rootdir', {str(root)!r}, "
+        f"'--junitxml', {str(junit)!r}]))"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([stub_root, str(root / "python")]))
+    done = subprocess.run([PY, "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    where = re.search(r"^SGLANG (.*)$", done.stdout, re.M).group(1)
+    assert where == str(root / "python/sglang/__init__.py")
+    suite = re.search(r"<testsuite [^>]*>", junit.read_text()).group(0)
+    counts = {k: int(v) for k, v in re.findall(r'(\w+)="(\d+)"', suite)}
+    expected = count_test_functions(root / "test/registered")
+    assert counts["tests"] == expected > 0, (counts, expected)
+    assert counts["skipped"] == counts["failures"] == counts["errors"] == 0, counts
+
+
+# -- d. product code reads as sglang's own ----------------------------------------------------
+
+
+FORBIDDEN = {
+    "contextvars": r"contextvars",
+    "threading.local": r"threading\.local",
+    "setattr(": r"\bsetattr\(",
+    "register_forward_hook": r"register_forward_hook",
+    "register_forward_pre_hook": r"register_forward_pre_hook",
+    ".__dict__[": r"\.__dict__\[",
+    "global statement": r"^\s*global\s+[A-Za-z_]",
+    "# fmt: skip": r"#\s*fmt:\s*skip",
+    "sglang_dflash_pp": r"sglang_dflash_pp",
+    "plugin": r"(?i)plugin",
+    "stock": r"(?i)\bstock",
+    "0.5.23": r"(?<![\d.])0\.5\.23(?!\d)",
+}
+
+
+def forbidden_in(lines: List[Added]) -> List[str]:
+    """``path:line: what: text`` for each forbidden construct on a product line."""
+    return [f"{a.path}:{a.line}: {what}: {a.text.strip()}"
+            for a in lines if is_product(a.path)
+            for what, pattern in FORBIDDEN.items() if re.search(pattern, a.text)]
+
+
+def test_product_code_has_no_forbidden_constructs(patches):
+    found = [v for lines in patches.values() for v in forbidden_in(lines)]
+    assert not found, "\n".join(found)
+
+
+SYNTHETIC = """\
+diff --git a/python/sglang/srt/x.py b/python/sglang/srt/x.py
+index 1111111..2222222 100644
+--- a/python/sglang/srt/x.py
++++ b/python/sglang/srt/x.py
+@@ -10,2 +10,4 @@ def f():
+     a = 1
++    ok = getattr(a, "real")  # a global view, hasattr( too
++{line}
+     b = 2
+diff --git a/test/registered/unit/test_x.py b/test/registered/unit/test_x.py
+new file mode 100644
+--- /dev/null
++++ b/test/registered/unit/test_x.py
+@@ -0,0 +1 @@
++{line}
+"""
+
+SAMPLES = {
+    "contextvars": "    import contextvars",
+    "threading.local": "    state = threading.local()",
+    "setattr(": "    setattr(obj, 'x', 1)",
+    "register_forward_hook": "    layer.register_forward_hook(fn)",
+    "register_forward_pre_hook": "    layer.register_forward_pre_hook(fn)",
+    ".__dict__[": "    obj.__dict__['x'] = 1",
+    "global statement": "    global _STATE",
+    "# fmt: skip": "    x = [1,2]  # fmt: skip",
+    "sglang_dflash_pp": "    from sglang_dflash_pp import x",
+    "plugin": "    # the Plugin did this",
+    "stock": "    # as Stock refuses it",
+    "0.5.23": "    # since 0.5.23",
+}
+
+
+@pytest.mark.parametrize("what", sorted(FORBIDDEN))
+def test_forbidden_constructs_check_can_fail(what):
+    lines = added_lines(SYNTHETIC.format(line=SAMPLES[what]))
+    assert [(a.path, a.line) for a in lines] == [
+        ("python/sglang/srt/x.py", 11), ("python/sglang/srt/x.py", 12),
+        ("test/registered/unit/test_x.py", 1),
+    ]
+    found = forbidden_in(lines)
+    assert found == [f"python/sglang/srt/x.py:12: {what}: {SAMPLES[what].strip()}"]
+
+
+# -- e. sizes ----------------------------------------------------------------------------------
+
+
+def product_lines(pr: dict) -> int:
+    return sum(f["added"] + f["removed"] for f in pr["files"] if f["kind"] != "test")
+
+
+def test_product_code_sizes(exported_series, capsys):
+    prs = exported_series.report["prs"]
+    rows = [(pr["name"], product_lines(pr)) for pr in prs]
+    big = sum(n for name, n in rows
+              if "mooncake_draft_kv_heads" in name or "dflash_pp_prefill" in name)
+    total = sum(n for _, n in rows)
+    with capsys.disabled():
+        print("\nproduct lines per PR (upstream +/- and new files; tests excluded)")
+        for name, n in rows:
+            print(f"  {name:45s} {n:5d}")
+        print(f"  {'mooncake_draft_kv_heads + dflash_pp_prefill':45s} {big:5d}  (<= 1000)")
+        print(f"  {'series':45s} {total:5d}  (<= 3000)")
+    assert big <= 1000
+    assert total <= 3000
+
+
+# -- f. sglang's formatting ---------------------------------------------------------------------
+
+
+def test_new_files_are_formatted_as_sglang_formats(exported_series):
+    new = [f for pr in SERIES for f in pr.files]
+    root = exported_series.root
+    fmt = subprocess.run([*RUFF, "format", "--check", "--isolated", "--line-length",
+                          str(LINE_LENGTH), *new], cwd=root, capture_output=True, text=True)
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+    isort = subprocess.run(
+        [*RUFF, "check", "--isolated", "--select", "I", "--config",
+         "lint.isort.known-first-party=['sglang']", *new],
+        cwd=root, capture_output=True, text=True,
+    )
+    assert isort.returncode == 0, isort.stdout + isort.stderr
+
+
+def test_added_lines_and_titles_fit(patches):
+    long = [f"{a.path}:{a.line}: {len(a.text)} columns: {a.text.strip()[:60]}"
+            for lines in patches.values() for a in lines if len(a.text) > LINE_LENGTH]
+    assert not long, "\n".join(long)
+    titles = [pr.title for pr in SERIES if len(pr.title) > 72]
+    assert not titles, titles
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def cli(*argv: str) -> int:
+    """``sglang-dflash-pp export-patches ...`` as ``cli.main`` dispatches it."""
+    parser = argparse.ArgumentParser(prog="sglang-dflash-pp")
+    export_command.add_parser(parser.add_subparsers(dest="command", required=True))
+    args, rest = parser.parse_known_args(["export-patches", *argv])
+    args.rest = rest
+    try:
+        return export_command.run(parser, args)
+    except SystemExit as e:  # argparse's usage errors
+        return e.code
+
+
+def test_the_command_refuses_and_checks(exported_series, tmp_path, capsys):
+    root = str(exported_series.root)
+    assert cli("--sglang-src", root) == 2  # neither --out nor --check
+    assert cli("--sglang-src", str(tmp_path), "--out", str(tmp_path / "o")) == 2
+    assert cli("--sglang-src", root, "--out", str(tmp_path / "o"), "--upto", "99") == 2
+    capsys.readouterr()
+    # HEAD is the series: exporting again is refused before anything is written.
+    assert cli("--sglang-src", root, "--out", str(tmp_path / "o")) == 2
+    assert "already a commit of the series" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    # On the patched tree PR 1's anchor is gone: --check names it, in memory, and fails.
+    head = git(root, "rev-parse", "HEAD")
+    assert cli("--sglang-src", root, "--check", "--upto", SERIES[0].name[:2]) == 1
+    out = capsys.readouterr().out
+    assert f"{SERIES[0].name}: does not apply" in out and "not found" in out
+    assert git(root, "rev-parse", "HEAD") == head
+    assert not git(root, "status", "--porcelain", "--untracked-files=no")
