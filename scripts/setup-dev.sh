@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up a development / CI environment from a clean clone on a fresh Debian machine:
-# system libraries for the non-CUDA Mooncake engine, then a virtualenv at .venv with the
-# project and its test extra (sglang==0.5.23, pytest, hypothesis, mooncake non-CUDA build).
+# system libraries for the non-CUDA Mooncake engine, a virtualenv at .venv with the pinned
+# sglang wheel, this project's tools and the test extra (pytest, the non-CUDA Mooncake build,
+# the router), then the patch series applied to that sglang in place: `python -m
+# sglang.launch_server` in .venv is the patched server every test serves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

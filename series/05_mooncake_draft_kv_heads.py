@@ -316,8 +316,8 @@ end to end through real servers, in the project's CPU tests.
                 executor: concurrent.futures.ThreadPoolExecutor,
             ) -> int:
                 """Send the DFLASH draft entries to a decode rank of another attention TP:
-                the draft heads both ranks hold, one descriptor per token row and entry,
-                between token rows of each side's own width."""
+                the draft heads both ranks hold, between token rows of each side's own
+                width."""
                 from sglang.srt.disaggregation.common.staging_buffer import (
                     compute_head_slice_params,
                 )
@@ -339,6 +339,7 @@ end to end through real servers, in the project's CPU tests.
                 dst_rows = dst_kv_indices.astype(np.int64)[:, None] * page_size + in_page
                 n = self.kv_args.num_draft_entries
 
+                # One descriptor per token row and entry.
                 def send_entry(src_ptr: int, dst_ptr: int, item_len: int) -> int:
                     head_bytes = item_len // page_size // src_heads
                     src = src_ptr + (src_rows * src_heads + src_head) * head_bytes

@@ -17,9 +17,9 @@ import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, NamedTuple
+from xml.etree import ElementTree
 
 import pytest
 
@@ -122,15 +122,116 @@ def test_exported_tree_is_the_installed_tree(exported_series):
     assert not differ, f"installed != exported: {differ}; run `sglang-dflash-pp install`"
 
 
+# -- c. the unit tests the series adds pass on the tree alone ---------------------------------
+# (before b: the bytecode this run leaves in the tree is what b's prefixes start from)
+
+
+def defined_tests(test_root: Path) -> List[str]:
+    """``Class.test_x`` (``module.test_x``) for every test function the files define."""
+    names = []
+    for path in test_root.rglob("test_*.py"):
+        body = ast.parse(path.read_text()).body
+        scopes = [(f"{path.stem}.", body)] + [(f"{c.name}.", c.body) for c in body
+                                 if isinstance(c, ast.ClassDef) and c.name.startswith("Test")]
+        names += [prefix + f.name for prefix, defs in scopes for f in defs
+                  if isinstance(f, ast.FunctionDef) and f.name.startswith("test")]
+    return names
+
+
+def test_the_series_unit_tests_pass_on_the_exported_head(exported_series, stub_root, tmp_path):
+    root = exported_series.root
+    junit = tmp_path / "junit.xml"
+    script = (
+        "import sys, sglang, pytest; print('SGLANG', sglang.__file__); "
+        f"sys.exit(pytest.main([{str(root / 'test/registered')!r}, '-q', "
+        f"'-p', 'no:cacheprovider', '--rootdir', {str(root)!r}, "
+        f"'--junitxml', {str(junit)!r}]))"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([stub_root, str(root / "python")]))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # the tree's bytecode serves b's prefixes too
+    done = subprocess.run([PY, "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    where = re.search(r"^SGLANG (.*)$", done.stdout, re.M).group(1)
+    assert where == str(root / "python/sglang/__init__.py")
+    cases = list(ElementTree.parse(junit).getroot().iter("testcase"))
+    outcomes = {f"{c.get('classname').rsplit('.', 1)[-1]}.{c.get('name')}":
+                [child.tag for child in c] for c in cases}
+    assert not any(outcomes.values()), outcomes  # skipped, failure or error
+    expected = defined_tests(root / "test/registered")
+    assert len(cases) == len(expected) > 0
+    assert sorted(outcomes) == sorted(expected)
+
+
 # -- b. every prefix imports what it touched ---------------------------------------------------
 
 
-IMPORT = """\
-import importlib, json, sys
-mods = json.loads(sys.argv[1])
-for m in mods:
-    importlib.import_module(m)
-print(json.dumps({m: sys.modules[m].__file__ for m in mods + ["sglang"]}))
+# One interpreter per prefix costs ~12 s of CPU, ~10 of it in torch, transformers and the other
+# packages sglang imports, the same for every prefix. So a driver checks the first prefix in a
+# forked child of a bare interpreter, imports the non-sglang modules that child loaded (sglang
+# blocked), and forks the other prefixes from there, two at a time. Each child puts its tree
+# first on sys.path, as PYTHONPATH would, and imports sglang from it, cold.
+DRIVER = r"""
+import importlib, importlib.abc, json, os, sys, traceback
+
+jobs, out_dir = json.loads(sys.argv[1]), sys.argv[2]
+
+
+def check(i, tree, modules):
+    sys.path.insert(0, tree)
+    importlib.invalidate_caches()
+    before = set(sys.modules)
+    for name in modules:
+        importlib.import_module(name)
+    files = {m: sys.modules[m].__file__ for m in modules + ["sglang"]}
+    loaded = sorted(m for m in set(sys.modules) - before if m.split(".")[0] != "sglang")
+    return {"files": files, "third_party": loaded}
+
+
+def start(i):
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(2, 1)  # what the imports print stays off the driver's reply
+        try:
+            out = {"ok": check(i, *jobs[i])}
+        except BaseException:
+            out = {"error": traceback.format_exc()}
+        with open(os.path.join(out_dir, f"{i}.json"), "w") as f:
+            json.dump(out, f)
+        os._exit(0)
+    return pid
+
+
+def result(i):
+    try:
+        with open(os.path.join(out_dir, f"{i}.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {"error": "the child died"}
+
+
+class NoSglang(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "sglang":
+            raise ImportError(name)
+
+
+os.waitpid(start(0), 0)
+guard = NoSglang()
+sys.meta_path.insert(0, guard)
+for name in result(0).get("ok", {}).get("third_party", []):
+    try:
+        importlib.import_module(name)
+    except BaseException:
+        pass
+sys.meta_path.remove(guard)
+assert not any(m.split(".")[0] == "sglang" for m in sys.modules)
+pending, running = list(range(1, len(jobs))), set()
+while pending or running:
+    while pending and len(running) < 2:
+        running.add(start(pending.pop(0)))
+    running.discard(os.wait()[0])
+print(json.dumps([result(i) for i in range(len(jobs))]))
 """
 
 
@@ -157,65 +258,32 @@ def checkout_python(root: Path, commit: str, touched: List[str], dest: Path) -> 
 
 def test_every_prefix_imports_the_modules_it_touched(exported_series, stub_root, tmp_path):
     root = exported_series.root
-    base = exported_series.base
-    touched = git(root, "diff", "--name-only", base, "HEAD", "--", "python").split()
+    touched = git(root, "diff", "--name-only", exported_series.base, "HEAD", "--", "python")
     commits = [r["commit"] for r in exported_series.report["prs"]]
-
-    def run(i: int, commit: str):
+    jobs = []
+    for i, commit in enumerate(commits):
         changed = git(root, "diff-tree", "--no-commit-id", "--name-only", "-r", commit).split()
         modules = [module_name(p) for p in changed if is_product(p) and p.endswith(".py")]
-        dest = tmp_path / f"prefix{i}"
-        checkout_python(root, commit, touched, dest)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([stub_root, str(dest / "python")]))
-        done = subprocess.run([PY, "-c", IMPORT, json.dumps(modules)], cwd=dest, env=env,
-                              capture_output=True, text=True)
-        return commit, modules, dest, done
-
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(run, range(len(commits)), commits))
-    for pr, (commit, modules, dest, done) in zip(SERIES, results):
-        assert done.returncode == 0, f"{pr.name} ({commit[:12]}): {done.stderr[-3000:]}"
-        files = json.loads(done.stdout.splitlines()[-1])
+        checkout_python(root, commit, touched.split(), tmp_path / f"prefix{i}")
+        jobs.append((str(tmp_path / f"prefix{i}" / "python"), modules))
+    env = dict(os.environ, PYTHONPATH=stub_root)  # the flashinfer stub, and no sglang tree
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    driver = subprocess.Popen([PY, "-c", DRIVER, json.dumps(jobs), str(tmp_path)],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = driver.communicate(timeout=300)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, 9)
+    assert driver.returncode == 0, err[-3000:]
+    results = json.loads(out.splitlines()[-1])
+    for pr, commit, (tree, modules), res in zip(SERIES, commits, jobs, results):
+        assert "ok" in res, f"{pr.name} ({commit[:12]}) does not import:\n{res['error']}"
+        files = res["ok"]["files"]
         assert modules and set(files) == set(modules) | {"sglang"}
-        elsewhere = {m: f for m, f in files.items() if not f.startswith(str(dest / "python"))}
+        elsewhere = {m: f for m, f in files.items() if not f.startswith(tree + os.sep)}
         assert not elsewhere, f"{pr.name}: imported outside its tree: {elsewhere}"
-
-
-# -- c. the unit tests the series adds pass on the tree alone ---------------------------------
-
-
-def count_test_functions(test_root: Path) -> int:
-    n = 0
-    for path in test_root.rglob("test_*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
-                n += sum(isinstance(f, ast.FunctionDef) and f.name.startswith("test")
-                         for f in node.body)
-        n += sum(isinstance(f, ast.FunctionDef) and f.name.startswith("test")
-                 for f in ast.parse(path.read_text()).body)
-    return n
-
-
-def test_the_series_unit_tests_pass_on_the_exported_head(exported_series, stub_root, tmp_path):
-    root = exported_series.root
-    junit = tmp_path / "junit.xml"
-    script = (
-        "import sys, sglang, pytest; print('SGLANG', sglang.__file__); "
-        f"sys.exit(pytest.main([{str(root / 'test/registered')!r}, '-q', "
-        f"'-p', 'no:cacheprovider', '--rootdir', {str(root)!r}, "
-        f"'--junitxml', {str(junit)!r}]))"
-    )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([stub_root, str(root / "python")]))
-    done = subprocess.run([PY, "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                          text=True)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    where = re.search(r"^SGLANG (.*)$", done.stdout, re.M).group(1)
-    assert where == str(root / "python/sglang/__init__.py")
-    suite = re.search(r"<testsuite [^>]*>", junit.read_text()).group(0)
-    counts = {k: int(v) for k, v in re.findall(r'(\w+)="(\d+)"', suite)}
-    expected = count_test_functions(root / "test/registered")
-    assert counts["tests"] == expected > 0, (counts, expected)
-    assert counts["skipped"] == counts["failures"] == counts["errors"] == 0, counts
 
 
 # -- d. product code reads as sglang's own ----------------------------------------------------

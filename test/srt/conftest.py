@@ -21,12 +21,6 @@ def patched_sglang():
 
 
 @pytest.fixture(scope="session")
-def sglang_with_plugin(patched_sglang):
-    """The old name of ``patched_sglang``, for the test modules that still ask for it."""
-    return patched_sglang
-
-
-@pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """Tiny config-only model directories (no weights): dense target, Kimi-K3, DFlash drafts."""
     root = tmp_path_factory.mktemp("models")

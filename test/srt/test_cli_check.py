@@ -74,14 +74,15 @@ def test_example_draft_kv_heads_and_writes(example):
     assert (k["dtype"], k["entries"], k["prefill_tp"], k["decode_tp"]) == ("bfloat16", 12, 4, 32)
     assert k["prefill_heads"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert k["decode_heads"] == [[r // 4] for r in range(32)]  # 8 heads, each on 4 D ranks
-    assert k["head_by_head"] and k["pages"] == 64
-    # P rank 0 writes D ranks 0-7: its head 0 to 0-3, its head 1 to 4-7; per 4096-token
-    # request and D rank, one 256 B descriptor per token row and entry.
+    assert (k["pages"], k["chunks"]) == (64, 1)
+    # P rank 0 writes D ranks 0-7: its head 0 to 0-3, its head 1 to 4-7. Per 4096-token request
+    # and D rank: 4096 rows x 12 entries x 256 B, packed on CUDA (2 heads per P rank, one taken):
+    # one page run per entry.
     assert [(w["decode_rank"], w["heads"]) for w in k["writes"]] == [
         (d, [d // 4]) for d in range(8)
     ]
-    assert {(w["bytes"], w["descriptors"]) for w in k["writes"]} == {
-        (4096 * 12 * 128 * 2, 4096 * 12)
+    assert {(w["bytes"], w["descriptors"], w["send"]) for w in k["writes"]} == {
+        (4096 * 12 * 128 * 2, 12, "packed")
     }
 
 
@@ -91,26 +92,29 @@ def test_other_prefill_rank_and_decode_tp_sizes(capsys, patched_sglang):
     assert [(w["decode_rank"], w["heads"]) for w in r["draft_kv"]["writes"]] == [
         (d, [6 + (d - 24) // 4]) for d in range(24, 32)
     ]
-    code, r = check_json(capsys, "--example", "kimi-k3", "--decode-tp-size", "4")
+    # A 20000-token request: chunks of 8192, 8192, 3616 tokens (57 pages), each packed.
+    code, r = check_json(capsys, "--example", "kimi-k3", "--prompt-tokens", "20000")
     k = r["draft_kv"]
-    assert code == EXIT_OK and not k["head_by_head"]
-    assert k["writes"] == [dict(decode_rank=0, heads=[0, 1], bytes=4096 * 12 * 2 * 128 * 2,
-                                descriptors=12)]
+    assert code == EXIT_OK and (k["chunks"], k["pages"]) == (3, 128 + 128 + 57)
+    assert {(w["bytes"], w["descriptors"]) for w in k["writes"]} == {(313 * 64 * 12 * 256, 36)}
+    code, r = check_json(capsys, "--example", "kimi-k3", "--decode-tp-size", "4")
+    assert code == EXIT_OK and r["draft_kv"]["writes"] == [dict(
+        decode_rank=0, heads=[0, 1], bytes=4096 * 12 * 2 * 256, descriptors=12, send="page runs")]
     # D TP2 < P TP4: P rank 3 fills heads 6, 7 of D rank 1 (which holds 4-7) row by row.
     code, r = check_json(capsys, "--example", "kimi-k3", "--decode-tp-size", "2",
                          "--prefill-rank", "3")
     k = r["draft_kv"]
     assert code == EXIT_OK and k["decode_heads"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert k["writes"] == [dict(decode_rank=1, heads=[6, 7], bytes=4096 * 12 * 2 * 128 * 2,
-                                descriptors=4096 * 12)]
+    assert k["writes"] == [dict(decode_rank=1, heads=[6, 7], bytes=4096 * 12 * 2 * 256,
+                                descriptors=4096 * 12, send="head by head")]
 
 
 def test_text_output(capsys, patched_sglang):
     assert main(["check", "--example", "kimi-k3"]) == EXIT_OK
     text = capsys.readouterr().out
     assert "stage 7  layers [81, 93)  features: 5 (layer 90)" in text
-    assert "D rank 7: heads [1], 12,582,912 B, 49,152 descriptors" in text
-    assert "in all: 100,663,296 B, 393,216 descriptors" in text
+    assert "D rank 7: heads [1], 12,582,912 B, 12 descriptors (packed)" in text
+    assert "in all: 100,663,296 B, 96 descriptors" in text
     assert text.rstrip().endswith("Startup would accept this deployment.")
 
 

@@ -83,7 +83,7 @@ def _cuda_graph_backend(resolved, phase):
 
 
 @pytest.mark.parametrize("node_rank", [0, 3])
-def test_prefill_recipe_resolves_with_plugin(sglang_with_plugin, gpu_like_mamba, k3_dirs, node_rank):
+def test_prefill_recipe_resolves_with_plugin(patched_sglang, gpu_like_mamba, k3_dirs, node_rank):
     r = resolve_launch_server(p_argv(k3_dirs, node_rank))
     assert (r["tp_size"], r["pp_size"], r["ep_size"]) == (4, 8, 4)
     assert (r["nnodes"], r["node_rank"], r["dist_init_addr"]) == (4, node_rank, f"{P_HEAD}:5000")
@@ -100,7 +100,7 @@ def test_prefill_recipe_resolves_with_plugin(sglang_with_plugin, gpu_like_mamba,
     assert (r["host"], r["port"]) == ("0.0.0.0", 30000)
 
 
-def test_decode_recipe_resolves_and_matches_prefill(sglang_with_plugin, gpu_like_mamba, k3_dirs):
+def test_decode_recipe_resolves_and_matches_prefill(patched_sglang, gpu_like_mamba, k3_dirs):
     d = resolve_launch_server(d_argv(k3_dirs))
     p = resolve_launch_server(p_argv(k3_dirs))
     assert (d["tp_size"], d["pp_size"], d["ep_size"]) == (32, 1, 4)
@@ -123,7 +123,7 @@ def test_decode_recipe_resolves_and_matches_prefill(sglang_with_plugin, gpu_like
     assert d["speculative_num_draft_tokens"] == 16
 
 
-def test_baseline_variant_resolves_without_speculation(sglang_with_plugin, gpu_like_mamba, k3_dirs):
+def test_baseline_variant_resolves_without_speculation(patched_sglang, gpu_like_mamba, k3_dirs):
     """DFLASH=0: the same P and D without the two speculative flags (the --baseline run)."""
     p = resolve_launch_server(p_argv(k3_dirs, DFLASH="0"))
     d = resolve_launch_server(d_argv(k3_dirs, DFLASH="0"))
@@ -133,7 +133,7 @@ def test_baseline_variant_resolves_without_speculation(sglang_with_plugin, gpu_l
 
 
 @pytest.mark.parametrize("argv_of", [p_argv, d_argv], ids=["prefill", "decode"])
-def test_rdma_devices_reach_sglangs_ib_validation(sglang_with_plugin, gpu_like_mamba, k3_dirs, argv_of):
+def test_rdma_devices_reach_sglangs_ib_validation(patched_sglang, gpu_like_mamba, k3_dirs, argv_of):
     """IB_DEVICE adds --disaggregation-ib-device, which resolution checks against the host's
     /sys/class/infiniband (absent on this CPU box, present on the cluster)."""
     argv = argv_of(k3_dirs, IB_DEVICE="mlx5_0,mlx5_1")
@@ -149,7 +149,7 @@ def test_rdma_devices_reach_sglangs_ib_validation(sglang_with_plugin, gpu_like_m
         assert resolved["disaggregation_ib_device"] == "mlx5_0,mlx5_1"
 
 
-def test_router_recipe_parses_and_points_at_p_and_d(sglang_with_plugin, gpu_like_mamba, k3_dirs):
+def test_router_recipe_parses_and_points_at_p_and_d(patched_sglang, gpu_like_mamba, k3_dirs):
     from sglang_router.launch_router import parse_router_args
 
     argv = script_argv("router.sh", P_HEAD=P_HEAD, D_HEAD=D_HEAD)

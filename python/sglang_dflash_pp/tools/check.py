@@ -2,12 +2,9 @@
 
 Every number and verdict comes from the patched tree's own code, run on the resolved arguments
 in a runtime context built from them (as a scheduler has one), so the report is what the servers
-would do, not a second model of it: ``ServerArgs`` resolution (the series' gate included);
-``ModelConfig`` and the runner's ``resolve_spec_aux_hidden_state_config`` (capture layers);
-``get_pp_indices`` and ``DFlashPPStage.build``; the checks ``DFlashPPStage.for_target`` runs at
-startup (``check_pp_target`` on the class the model loader picks, ``check_pp_draft``);
-``configure_kv_cache_dtype``, ``compute_head_slice_params`` and the decode's registration verdict
-``MooncakeKVManager._draft_kv_layout_mismatch``.
+would do, not a second model of it: ``ServerArgs``, ``ModelConfig``, the runner's capture layers,
+``get_pp_indices``, ``DFlashPPStage.build`` and the startup checks of ``for_target``,
+``compute_head_slice_params`` and ``MooncakeKVManager._draft_kv_layout_mismatch``.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ from typing import List
 from sglang_dflash_pp.tools.resolve import quiet_sglang, resolve
 
 SHOWN = ("tp_size", "pp_size", "ep_size", "page_size", "kv_cache_dtype", "speculative_algorithm",
-         "speculative_num_draft_tokens", "disaggregation_mode", "disaggregation_transfer_backend",
-         "model_path", "speculative_draft_model_path")
+         "speculative_num_draft_tokens", "disaggregation_mode", "disaggregation_transfer_backend")
 
 
 class UsageError(ValueError):
@@ -131,8 +127,8 @@ def _stages(rep: dict, pp: int, target, model_cls, draft) -> None:
 
 
 def _draft_kv(rep: dict, record, resolved: dict, draft, inputs: CheckInputs) -> None:
-    """Draft KV heads per rank on both sides, what one last-stage P rank writes to which D
-    ranks, one request's bytes and descriptors, and the decode's registration verdict."""
+    """Draft KV heads per rank on both sides, what one last-stage P rank writes to which D ranks
+    (``send_draft_kvcache_heads``) per request, and the decode's registration verdict."""
     from sglang.srt.arg_groups.model_override_base import resolved_view
     from sglang.srt.disaggregation.common.staging_buffer import compute_head_slice_params
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
@@ -172,19 +168,27 @@ def _draft_kv(rep: dict, record, resolved: dict, draft, inputs: CheckInputs) -> 
     if mismatch:
         refuse(rep, "decode registration (MooncakeKVManager._draft_kv_layout_mismatch)", mismatch)
     # D rank r reads from P rank r // (Td / Tp), or from P ranks [r k, (r + 1) k), k = Tp / Td.
-    first = q * tp_d // tp_p
-    targets = range(first, max(first + 1, (q + 1) * tp_d // tp_p))
-    rows = -(-inputs.prompt_tokens // page) * page  # whole pages of token rows go
+    targets = range(q * tp_d // tp_p, max(q * tp_d // tp_p + 1, (q + 1) * tp_d // tp_p))
+    # Each prefill chunk goes on its own, as whole pages of rows: at equal TP as page runs, at
+    # another TP one descriptor per token row and entry, unless a CUDA pack buffer (2+ heads per
+    # P rank, chunked prefill: _init_draft_kv_pack_buffers) packs a D rank's heads into runs.
+    chunk, tokens = int(resolved.get("chunked_prefill_size") or 0), inputs.prompt_tokens
+    sizes = [min(chunk, tokens - i) for i in range(0, tokens, chunk)] if chunk > 0 else [tokens]
+    rows = [-(-t // page) * page for t in sizes]
+    packs = chunk > 0 and total // tp_p >= 2 and resolved.get("device") == "cuda"
+    capacity = (chunk + page) * entries * item_len(tp_p) // page // 2  # the pack buffer's bytes
     writes = []
     for d in [] if mismatch else targets:
         src, n, _, _ = compute_head_slice_params(tp_p, tp_d, q, d, total)
-        writes.append(dict(decode_rank=d, heads=heads(tp_p, q)[src : src + n],
-                           bytes=rows * entries * n * head_bytes,
-                           # one per token row and entry, or one run of contiguous pages
-                           descriptors=rows * entries if tp_d != tp_p else entries))
+        packed = packs and n < total // tp_p
+        runs = [tp_p == tp_d or packed and r * entries * n * head_bytes <= capacity for r in rows]
+        send = "page runs" if tp_p == tp_d else "packed" if all(runs) else "head by head"
+        writes.append(dict(decode_rank=d, heads=heads(tp_p, q)[src : src + n], send=send,
+                           bytes=sum(rows) * entries * n * head_bytes,
+                           descriptors=entries * sum(1 if a else r for r, a in zip(rows, runs))))
     rep["draft_kv"] = dict(
         dtype=str(dtype).replace("torch.", ""), page_size=page, entries=entries,
         prefill_tp=tp_p, decode_tp=tp_d, prefill_heads=[heads(tp_p, r) for r in range(tp_p)],
-        decode_heads=[heads(tp_d, r) for r in range(tp_d)], head_by_head=tp_p != tp_d,
-        prompt_tokens=inputs.prompt_tokens, pages=rows // page, prefill_rank=q, writes=writes,
+        decode_heads=[heads(tp_d, r) for r in range(tp_d)], prompt_tokens=tokens,
+        chunks=len(sizes), pages=sum(rows) // page, prefill_rank=q, writes=writes,
     )

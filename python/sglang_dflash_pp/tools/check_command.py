@@ -18,10 +18,8 @@ def add_parser(sub) -> None:
         "check",
         allow_abbrev=False,  # launch arguments share names with ours: no prefix may match one
         help="topology report and startup refusals of a DFLASH P/D deployment",
-        description="Resolve the prefill's launch arguments (after '--') with sglang's real "
-        "ServerArgs, then report the PP partition, the draft features each stage captures, "
-        "the carry per hop, the draft KV heads of P and D, what one last-stage P rank writes to "
-        "which D ranks per request, and every refusal startup would raise.",
+        description="Resolve the prefill's launch arguments (after '--') with sglang's ServerArgs; "
+        "report its PP stages, draft KV transfer and every refusal startup would raise.",
         epilog="exit codes: 0 accepted, 2 usage, 3 refused. "
         "Example: sglang-dflash-pp check --example kimi-k3",
     )

@@ -54,12 +54,11 @@ def _draft_kv(k: dict, d: dict) -> list:
         per_rank = len(k[f"{side}_heads"][0])
         out.append(f"  {side} attention TP{k[f'{side}_tp']}: {per_rank} head(s) per rank, each "
                    f"head on {k[f'{side}_tp'] * per_rank // d['kv_heads']} rank(s)")
-    how = "head by head (TPs differ)" if k["head_by_head"] else "page runs"
-    out.append(f"  one {k['prompt_tokens']:,}-token request ({k['pages']} pages, contiguous): "
-               f"P rank {k['prefill_rank']} of the last stage writes {how}")
+    out.append(f"  one {k['prompt_tokens']:,}-token request ({k['pages']} pages, contiguous, "
+               f"{k['chunks']} chunk(s)): P rank {k['prefill_rank']} of the last stage writes")
     w = k["writes"]
     out += [f"    D rank {x['decode_rank']}: heads {x['heads']}, {x['bytes']:,} B, "
-            f"{x['descriptors']:,} descriptors" for x in w]
+            f"{x['descriptors']:,} descriptors ({x['send']})" for x in w]
     out.append(f"    in all: {sum(x['bytes'] for x in w):,} B, "
                f"{sum(x['descriptors'] for x in w):,} descriptors")
     return out

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-NAMES = {"kimi-k3": "kimi_k3", "qwen3-8b": "qwen3_8b"}
+NAMES = {"kimi-k3": "kimi_k3"}
 
 
 @dataclass(frozen=True)

@@ -65,8 +65,7 @@ def launch_argv(argv: List[str]) -> List[str]:
 
 
 def resolve(argv: List[str]) -> Tuple[object, Optional[str]]:
-    """``(record, None)`` resolved like ``launch_server`` (parse, ``resolve_once``,
-    ``check_server_args``), or ``(record or None, refusal)``."""
+    """``(record, None)`` resolved as ``launch_server`` does, or ``(record or None, refusal)``."""
     from sglang.srt.server_args import prepare_server_args
 
     captured = io.StringIO()

@@ -185,19 +185,22 @@ def check_pp_draft(draft_hf_config) -> None:
 
     architectures = list(getattr(draft_hf_config, "architectures", None) or [])
     model_cls, arch = ModelRegistry.resolve_model_cls(architectures)
-    plain = (
-        issubclass(model_cls, DFlashDraftModel)
-        and not model_cls.supports_quantization
-        and not is_nemotron_35_draft_config(draft_hf_config)
-        and getattr(draft_hf_config, "quantization_config", None) is None
-        and model_cls.project_target_hidden is DFlashDraftModel.project_target_hidden
+    if not issubclass(model_cls, DFlashDraftModel):
+        why = f"{arch} is not a DFlashDraftModel"
+    elif model_cls.project_target_hidden is not DFlashDraftModel.project_target_hidden:
+        why = f"{arch} projects its context its own way (project_target_hidden)"
+    elif (
+        model_cls.supports_quantization
+        or is_nemotron_35_draft_config(draft_hf_config)
+        or getattr(draft_hf_config, "quantization_config", None) is not None
+    ):
+        why = f"the {arch} draft's fc is quantized"
+    else:
+        return
+    raise ValueError(
+        f"DFLASH with --pp-size > 1 splits the draft's fc into per-stage column blocks, "
+        f"which needs an unquantized plain fc, but {why}. Serve it with --pp-size 1."
     )
-    if not plain:
-        raise ValueError(
-            f"DFLASH with --pp-size > 1 splits the draft's fc into per-stage column blocks, "
-            f"which needs an unquantized DFlashDraftModel with a plain fc; the draft is {arch} "
-            f"({model_cls.__name__}). Serve it with --pp-size 1."
-        )
 
 
 def _read_fc_weight(
