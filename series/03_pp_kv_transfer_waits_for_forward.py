@@ -1,7 +1,7 @@
 from sglang_dflash_pp.patch_series.cst_edits import InsertStatements, Stmt
 
 PR = dict(
-    title="[Bugfix] PP PD prefill: a chunk's KV transfer waits for the forward that wrote it",
+    title="[Bugfix] PP PD prefill: send a chunk's KV only after its forward",
     description="""\
 A pipeline-parallel PD prefill sends a middle chunk's KV from `process_prefill_chunk` right
 after the chunk's forward was launched on the forward stream. The transfer worker synchronises

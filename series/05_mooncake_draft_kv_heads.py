@@ -13,7 +13,7 @@ from sglang_dflash_pp.patch_series.cst_edits import (
 )
 
 PR = dict(
-    title="[PD] Mooncake: send the DFLASH draft KV head by head to a decode of another TP",
+    title="[PD] Mooncake: send DFLASH draft KV head by head across TP sizes",
     description="""\
 A DFLASH prefill appends its draft's KV buffers to the transfer entries. The draft shards its
 own KV heads over attention TP, independently of the target, so when the prefill and the decode

@@ -10,7 +10,7 @@ from sglang_dflash_pp.patch_series.cst_edits import (
 CONN = "srt/disaggregation/mooncake/conn.py"
 
 PR = dict(
-    title="[PD] Mooncake: pack DFLASH draft head slices for a decode of larger TP",
+    title="[PD] Mooncake: pack DFLASH draft head slices for a larger decode TP",
     description="""\
 Motivation. When the decode runs a larger attention TP than the prefill, each decode rank
 holds a slice of the draft heads of every prefill token row, and the previous PR sends it one
@@ -31,11 +31,19 @@ Memory: 2 x 6 x 128 x 2 B x 8192 tokens = 25 MB per transfer worker for Kimi-K3'
 (100 MB with the default 4 queues), only on a DFLASH prefill whose draft has 2 or more heads
 per rank.
 
-Speed (H200, Kimi-K3 geometry, one prefill rank to its 8 decode ranks, 8192-token chunk):
-see benchmark/draft_kv_transfer/RESULTS in the project that carried this change; summary in
-the PR conversation.
+Speed, Kimi-K3 geometry (a prefill rank at TP4 sends an 8192-token chunk to its 8 decode
+ranks at TP32: 201 MB, 4.0 ms at 50 GB/s):
 
-Tests: `test/registered/unit/disaggregation/test_mooncake_draft_kv_heads.py` checks every
+| | descriptors per chunk | cost per chunk |
+|---|---|---|
+| per token row (previous PR) | 786,432 | 30 ms of host work to build them (2-core CPU), 7.5x the link time, before the transport sees one |
+| packed (this PR) | 96 (pages contiguous) | gather: 91 us GPU, 120 us host per decode rank on an H200, 0.96 ms (24% of the link time); descriptors: 73 us per decode rank (2-core CPU) |
+
+Gathering each distinct head slice once per chunk (here 2 instead of 8: four decode ranks hold
+each head) and copying 8-byte words would bring the gather to 4.2% of the link time; both keep
+state across a chunk's sends and are left to a follow-up.
+
+Tests: `test/registered/unit/disaggregation/test_mooncake_draft_kv_pack.py` checks every
 decode byte of the packed sends (the Triton gather replaced by its reference on CPU), and that a
 chunk larger than the buffer falls back to per-token descriptors.
 """,

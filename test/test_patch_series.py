@@ -390,14 +390,20 @@ def test_product_code_sizes(exported_series, capsys):
 
 def test_new_files_are_formatted_as_sglang_formats(exported_series):
     new = [f for pr in SERIES for f in pr.files]
-    root = exported_series.root
     fmt = subprocess.run([*RUFF, "format", "--check", "--isolated", "--line-length",
-                          str(LINE_LENGTH), *new], cwd=root, capture_output=True, text=True)
+                          str(LINE_LENGTH), *new], cwd=exported_series.root,
+                         capture_output=True, text=True)
     assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+
+
+def test_imports_are_sorted_as_sglang_sorts_them(exported_series):
+    """The new files, and the upstream files whose imports the edits extend (sglang's isort
+    counts sglang as first party)."""
+    paths = sorted({f for pr in SERIES for f in [*pr.files, *pr.upstream_files]})
     isort = subprocess.run(
         [*RUFF, "check", "--isolated", "--select", "I", "--config",
-         "lint.isort.known-first-party=['sglang']", *new],
-        cwd=root, capture_output=True, text=True,
+         "lint.isort.known-first-party=['sglang']", *paths],
+        cwd=exported_series.root, capture_output=True, text=True,
     )
     assert isort.returncode == 0, isort.stdout + isort.stderr
 

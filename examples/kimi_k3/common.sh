@@ -6,8 +6,9 @@
 #   D: 4 nodes x 8 GPUs, TP32 x EP4, DFLASH decode (propose / verify / commit), PP1
 #   router: sglang_router in PD mode in front of both; the benchmark talks to the router.
 
-# Interpreter that has sglang==0.5.23 and sglang-dflash-pp installed (and sglang-router for
-# router.sh).
+# Interpreter whose sglang carries the patch series (the 0.5.23 wheel patched by
+# `sglang-dflash-pp install`, or your fork with the series applied), plus sglang-router for
+# router.sh. bench.sh needs no sglang: requests (and matplotlib for the histogram) will do.
 PYTHON="${PYTHON:-python3}"
 
 # Ports. Multi-node SGLang serves HTTP on node rank 0 only, so P_HEAD / D_HEAD (the node-rank-0

@@ -5,8 +5,8 @@
 #   KIMI_K3_PATH=/models/Kimi-K3 KIMI_K3_DFLASH_PATH=/models/Kimi-K3-DFlash \
 #   D_HEAD=10.0.1.1 NODE_RANK=0 bash examples/kimi_k3/decode.sh
 #
-# D is stock DFLASH decoding (PP1); the plugin's part on D is receiving exactly its own draft
-# KV heads from P.
+# D is an ordinary DFLASH decode (PP1), on the same patched sglang as P: P checks D's draft KV
+# layout when D registers and writes each D rank exactly its own draft KV heads.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 require KIMI_K3_PATH KIMI_K3_DFLASH_PATH NODE_RANK D_HEAD
@@ -32,8 +32,8 @@ ARGS=(
     --disaggregation-mode decode
     # Must match P's transfer backend.
     --disaggregation-transfer-backend mooncake
-    # Verify every transferred byte (the plugin's composed KV digest); P passes the same flag.
-    --disaggregation-enable-kv-checksum
+    # No --disaggregation-enable-kv-checksum: the series does not extend it, and sglang's digest
+    # skips every transfer from a PP prefill or another attention TP (admitted unverified).
     # bf16 KV cache, the same dtype as P (the transfer copies bytes).
     --kv-cache-dtype bf16
     # Listen on all interfaces; the router reaches node 0 at $D_HEAD:$D_PORT.

@@ -5,8 +5,9 @@
 #   KIMI_K3_PATH=/models/Kimi-K3 KIMI_K3_DFLASH_PATH=/models/Kimi-K3-DFlash \
 #   P_HEAD=10.0.0.1 NODE_RANK=0 bash examples/kimi_k3/prefill.sh
 #
-# Needs sglang==0.5.23 with the sglang-dflash-pp plugin installed (no flag: SGLang loads it
-# through its entry point). Stock 0.5.23 refuses DFLASH with --pp-size > 1.
+# Needs an sglang that carries this repository's patch series: the sglang 0.5.23 wheel patched
+# by `sglang-dflash-pp install`, or your fork with the series applied (git am; docs/series.md).
+# Without the series, sglang refuses DFLASH with --pp-size > 1.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 require KIMI_K3_PATH KIMI_K3_DFLASH_PATH NODE_RANK P_HEAD
@@ -18,9 +19,9 @@ ARGS=(
     --trust-remote-code
     # 4-way tensor parallelism inside each pipeline stage: one stage = 4 GPUs, two stages per node.
     --tp-size 4
-    # 8 pipeline stages (93 layers -> about 12 per stage). With the plugin, each stage projects
-    # the DFlash capture layers it owns with its column block of the draft fc; only the last
-    # stage holds the draft, normalises the accumulated partial and writes the draft KV.
+    # 8 pipeline stages (93 layers -> 11 or 12 per stage). Each stage projects the DFlash capture
+    # layers it owns with its column block of the draft fc; only the last stage holds the draft,
+    # normalises the accumulated partial and writes the draft KV.
     --pp-size 8
     # Experts sharded over the 4 GPUs of a stage (expert-parallel MoE, MoE TP 1).
     --ep-size 4
@@ -32,21 +33,20 @@ ARGS=(
     --dist-init-addr "$P_HEAD:$P_DIST_PORT"
     # PD prefill: this server runs prefill only and hands KV to the decode server.
     --disaggregation-mode prefill
-    # Mooncake transfer engine: the only backend the plugin accepts for DFLASH with PP, and the
-    # one whose draft-KV send path the plugin makes head-aware (P TP4 = 2 draft KV heads/rank,
+    # Mooncake transfer engine: the only backend DFLASH with PP accepts, and the one that sends
+    # the draft KV head by head to a decode of another TP (P TP4 = 2 draft KV heads/rank,
     # D TP32 = 1 head/rank).
     --disaggregation-transfer-backend mooncake
-    # Verify every transferred byte on D (the plugin's composed KV digest; stock would skip
-    # every request of a PP or other-TP prefill). D passes the same flag.
-    --disaggregation-enable-kv-checksum
+    # No --disaggregation-enable-kv-checksum: the series does not extend it, and sglang's digest
+    # skips every transfer from a PP prefill or to another attention TP (admitted unverified).
     # KV bootstrap port (8998 is also the default); the router's --prefill entry must name it.
     --disaggregation-bootstrap-port "$P_BOOTSTRAP_PORT"
     # Prefill in chunks of 8192 tokens (per PP micro-batch).
     --chunked-prefill-size 8192
     # bf16 KV cache; D uses the same dtype: the transfer copies KV bytes as they are.
     --kv-cache-dtype bf16
-    # The plugin refuses a PP prefill CUDA graph (it would capture the raw hidden relay instead
-    # of the context partial). Disabled is the default; stated so nobody turns it on.
+    # DFLASH with PP refuses a PP prefill CUDA graph (it would capture the raw hidden relay
+    # instead of the context partial). Disabled is the default; stated so nobody turns it on.
     --cuda-graph-backend-prefill disabled
     # Listen on all interfaces; the router reaches node 0 at $P_HEAD:$P_PORT.
     --host 0.0.0.0
@@ -74,5 +74,5 @@ fi
 #   max running requests  DFLASH resolves it (48)
 #   page size, attention and linear-attention backends, mamba radix-cache strategy: the GPU
 #                         platform defaults for Kimi-K3
-#   SGLANG_ENABLE_PP_SPEC must NOT be set: the plugin refuses it with DFLASH x PP.
+#   SGLANG_ENABLE_PP_SPEC must NOT be set: startup refuses it with DFLASH and PP.
 launch "$PYTHON" -m sglang.launch_server "${ARGS[@]}"

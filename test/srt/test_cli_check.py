@@ -152,7 +152,7 @@ REFUSED = {
     "quantized_draft": (
         lambda d, t: ["--example", "kimi-k3", "--", "--speculative-draft-model-path",
                       _quantized_draft(t)],
-        "needs an unquantized DFlashDraftModel with a plain fc",
+        "draft's fc is quantized",
     ),
     "staging_buffer_across_tp": (
         lambda d, t: ["--example", "kimi-k3"],
