@@ -50,8 +50,9 @@ Equal attention TP, other algorithms and other backends are unchanged.
 Tests: `test/registered/unit/disaggregation/test_mooncake_draft_kv_heads.py`: over TP pairs
 1->2, 2->1, 2->8, 4->32, 8->2 (and replicated heads), the bytes the descriptors move give every
 decode rank exactly the heads its own draft would hold, once; registrations of a wrong layout are
-refused; equal TP sends nothing here. The byte check runs through the real engine over TCP, and
-end to end through real servers, in the project's CPU tests.
+refused; equal TP sends nothing here. End to end, real CPU servers over Mooncake TCP (a PP2
+prefill into a TP2 decode, a TP2 x PP2 prefill into a TP1 decode) give the decode the draft KV
+bytes a same-TP deployment gives it.
 """,
     edits=[
         AddClassAttribute(
@@ -71,8 +72,10 @@ end to end through real servers, in the project's CPU tests.
             if (
                 self.scheduler.spec_algorithm.is_dflash()
                 and type(draft_kv_pool) is MHATokenToKVPool
+                and draft_kv_pool.kv_cache_layout == "nhd"
             ):
-                # The draft shards its own KV heads over attention TP.
+                # The draft shards its own KV heads over attention TP, token rows of
+                # [heads, head_dim] that a decode of another TP takes slices of.
                 spec_aux_config = self.scheduler.tp_worker.model_runner.spec_aux_config
                 kv_args.draft_total_kv_head_num = (
                     spec_aux_config.draft_model_config.get_total_num_kv_heads()

@@ -1,7 +1,7 @@
 """Real SGLang server processes on this CPU box, for the tests.
 
 ``python -m sglang.launch_server`` and ``python -m sglang_router.launch_router``, started as
-separate process trees bound to 127.0.0.1, with the environment ``../shared/design/cpu-servers.md``
+separate process trees bound to 127.0.0.1, with the environment ``test/cpu_support/README.md``
 says stock 0.5.23 needs on a CPU, and the test-only plugin ``test/cpu_support`` on their
 ``PYTHONPATH`` (it bypasses the CUDA-only spots; see its docstrings). Nothing here reaches the
 product: the tests only talk HTTP to these processes and read the files they were asked to write.

@@ -9,7 +9,6 @@ no process-wide tricks, no trace of this repository, sglang's formatter, a revie
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import os
@@ -24,7 +23,7 @@ from xml.etree import ElementTree
 import pytest
 
 import cpu_servers
-from sglang_dflash_pp.patch_series import export_command
+from sglang_dflash_pp.cli import main
 from sglang_dflash_pp.patch_series.series import PACKAGE_PATH, load_series
 
 SERIES = load_series()
@@ -34,8 +33,9 @@ LINE_LENGTH = 88
 
 
 def git(root, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True,
-                          text=True).stdout
+    done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, f"git {' '.join(args)}: {done.stderr or done.stdout}"
+    return done.stdout
 
 
 class Added(NamedTuple):
@@ -99,7 +99,7 @@ def test_patches_apply_with_git_am_to_the_same_tree(exported_series, tmp_path):
     patches = sorted(str(p) for p in exported_series.out.glob("*.patch"))
     env = ["-c", "user.name=t", "-c", "user.email=t@t.invalid"]
     git(am, *env, "am", "-q", "--keep-non-patch", *patches)
-    for tree in ("python/sglang", "test/registered"):
+    for tree in ("python/sglang", "test/registered", ""):  # "": nothing else either
         assert git(am, "rev-parse", f"HEAD:{tree}") == git(root, "rev-parse", f"HEAD:{tree}")
     assert git(am, "log", "--format=%B%x00", exported_series.base + "..") == git(
         root, "log", "--format=%B%x00", exported_series.base + ".."
@@ -169,8 +169,9 @@ def test_the_series_unit_tests_pass_on_the_exported_head(exported_series, stub_r
 # One interpreter per prefix costs ~12 s of CPU, ~10 of it in torch, transformers and the other
 # packages sglang imports, the same for every prefix. So a driver checks the first prefix in a
 # forked child of a bare interpreter, imports the non-sglang modules that child loaded (sglang
-# blocked), and forks the other prefixes from there, two at a time. Each child puts its tree
-# first on sys.path, as PYTHONPATH would, and imports sglang from it, cold.
+# blocked: nothing of sglang is loaded before a child's tree is on the path), and forks the
+# other prefixes from there, two at a time. Each child puts its tree first on sys.path, as
+# PYTHONPATH would, and imports sglang from it, cold.
 DRIVER = r"""
 import importlib, importlib.abc, json, os, sys, traceback
 
@@ -216,14 +217,20 @@ class NoSglang(importlib.abc.MetaPathFinder):
             raise ImportError(name)
 
 
-os.waitpid(start(0), 0)
+def preload(names):
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except BaseException:
+            pass
+
+
+first = start(0)
 guard = NoSglang()
 sys.meta_path.insert(0, guard)
-for name in result(0).get("ok", {}).get("third_party", []):
-    try:
-        importlib.import_module(name)
-    except BaseException:
-        pass
+preload(["torch", "transformers"])  # the bulk, on the other core while the first child runs
+os.waitpid(first, 0)
+preload(result(0).get("ok", {}).get("third_party", []))
 sys.meta_path.remove(guard)
 assert not any(m.split(".")[0] == "sglang" for m in sys.modules)
 pending, running = list(range(1, len(jobs))), set()
@@ -241,9 +248,10 @@ def module_name(path: str) -> str:
 
 
 def checkout_python(root: Path, commit: str, touched: List[str], dest: Path) -> None:
-    """``python/`` at ``commit``: the series changes only ``touched``, so every other file is
-    HEAD's, hard-linked (bytecode included, valid for the same inode); the touched files come
-    from ``git archive`` of the commit, and their bytecode is dropped."""
+    """``python/`` at ``commit`` in ``dest``: the series changes only ``touched``, so every
+    other file is HEAD's, hard-linked from the scratch tree (bytecode included: valid for the
+    same inode); the touched files come from ``git archive`` of the commit, without bytecode.
+    Six full checkouts would write 130 MB each."""
     shutil.copytree(root / "python", dest / "python", copy_function=os.link)
     for path in touched:
         (dest / path).unlink(missing_ok=True)
@@ -258,13 +266,15 @@ def checkout_python(root: Path, commit: str, touched: List[str], dest: Path) -> 
 
 def test_every_prefix_imports_the_modules_it_touched(exported_series, stub_root, tmp_path):
     root = exported_series.root
-    touched = git(root, "diff", "--name-only", exported_series.base, "HEAD", "--", "python")
+    # every file some commit changes (a file one PR changes and a later one restores included)
+    touched = sorted(set(git(root, "log", "--name-only", "--format=",
+                             f"{exported_series.base}..HEAD", "--", "python").split()))
     commits = [r["commit"] for r in exported_series.report["prs"]]
     jobs = []
     for i, commit in enumerate(commits):
         changed = git(root, "diff-tree", "--no-commit-id", "--name-only", "-r", commit).split()
         modules = [module_name(p) for p in changed if is_product(p) and p.endswith(".py")]
-        checkout_python(root, commit, touched.split(), tmp_path / f"prefix{i}")
+        checkout_python(root, commit, touched, tmp_path / f"prefix{i}")
         jobs.append((str(tmp_path / f"prefix{i}" / "python"), modules))
     env = dict(os.environ, PYTHONPATH=stub_root)  # the flashinfer stub, and no sglang tree
     env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -420,13 +430,9 @@ def test_added_lines_and_titles_fit(patches):
 
 
 def cli(*argv: str) -> int:
-    """``sglang-dflash-pp export-patches ...`` as ``cli.main`` dispatches it."""
-    parser = argparse.ArgumentParser(prog="sglang-dflash-pp")
-    export_command.add_parser(parser.add_subparsers(dest="command", required=True))
-    args, rest = parser.parse_known_args(["export-patches", *argv])
-    args.rest = rest
+    """``sglang-dflash-pp export-patches ...``, its exit code."""
     try:
-        return export_command.run(parser, args)
+        return main(["export-patches", *argv])
     except SystemExit as e:  # argparse's usage errors
         return e.code
 

@@ -1,4 +1,4 @@
-"""Test-only CPU support for stock sglang 0.5.23 servers (never shipped, never installed).
+"""Test-only CPU support for sglang servers on a CPU (never shipped, never installed).
 
 The end-to-end tests start real ``python -m sglang.launch_server`` processes with
 ``--device cpu``. Stock 0.5.23 reaches a few CUDA-only spots on that path when it serves DFLASH
@@ -10,7 +10,7 @@ How it gets loaded: the tests put ``test/cpu_support`` on ``PYTHONPATH`` of the 
 they start. That directory holds this package and a ``*.dist-info`` whose ``entry_points.txt``
 declares it in the ``sglang.srt.plugins`` group, so ``importlib.metadata`` discovers it like an
 installed plugin. Nothing else sees it: it is not in the wheel, not in the venv, not on the
-pytest process's path, and the shipped plugin never imports it.
+pytest process's path, and the patch series never imports it.
 
 Each patch lives in :mod:`.patches` and names the stock symbol it bypasses, why that symbol cannot
 run on a CPU, and why bypassing it does not touch what the tests prove. Every patch is inert on a

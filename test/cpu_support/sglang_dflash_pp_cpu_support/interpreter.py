@@ -2,7 +2,7 @@
 
 Kimi-K3's KDA layers and its MLA attention exist only as Triton kernels; the interpreter runs
 them on CPU tensors (slowly). Its gaps, each bypassed here and only while ``TRITON_INTERPRET=1``
-(``../shared/design/cpu-servers.md`` section 3):
+(``test/cpu_support/README.md`` section 3):
 
 * ``models/kimi_k3.py`` builds three ``torch.cuda.Stream()`` unconditionally: with no CUDA
   driver, ``torch.cuda.Stream`` becomes a no-op class (nothing runs on alternate streams on CPU).

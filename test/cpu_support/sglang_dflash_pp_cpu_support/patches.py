@@ -165,23 +165,6 @@ def torch_native_target_verify(original, self, q, k, v, layer, forward_batch, *a
         return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
 
 
-# -- 6. model_executor/model_runner.ModelRunner._extend_forward_kwargs ----------------------------
-# Casts ``input_embeds`` to bf16 whatever the model dtype (an upstream bug on any device; it only
-# bites fp32 models, which the tests use for exact comparisons). We hand the model its own dtype.
-
-
-def input_embeds_in_model_dtype(original, self, forward_batch, *args, **kwargs):
-    out = original(self, forward_batch, *args, **kwargs)
-    if (
-        "input_embeds" in out
-        and forward_batch.input_embeds is not None
-        and forward_batch.replace_embeds is None
-        and self.dtype != torch.bfloat16
-    ):
-        out["input_embeds"] = forward_batch.input_embeds.to(self.dtype)
-    return out
-
-
 # -- 7. disaggregation/mooncake/conn.MooncakeKVSender.supports_host_tensor_indices ---------------
 # When True, the PD prefill path (disaggregation/prefill.py, send_kv_chunk) stages page indices in
 # pinned host memory and records a CUDA event. On a CPU the indices already live in host memory:
@@ -301,8 +284,6 @@ PATCHES = (
           torch_native_target_verify, "around", "TARGET_VERIFY extend lengths for torch_native"),
     Patch("sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__",
           mooncake_sender_host_indices_off_on_cpu, "around", "plain host page indices on CPU"),
-    Patch("sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs",
-          input_embeds_in_model_dtype, "around", "input embeds in the model's dtype"),
     Patch("sglang.srt.distributed.parallel_state.GroupCoordinator.all_gather_into_tensor",
           all_gather_into_tensor_cpu, "around", "gloo all-gather for CPU tensors"),
     Patch("sglang.srt.distributed.parallel_state.GroupCoordinator.reduce_scatter_tensor",
@@ -316,7 +297,7 @@ PATCHES = (
 )
 
 
-# -- 7. torch.Tensor.record_stream on CPU tensors --------------------------------------------------
+# -- 12. torch.Tensor.record_stream on CPU tensors --------------------------------------------------
 # DFlashWorkerV2.forward_batch_generation records ``seq_lens`` on the device's current stream;
 # CPU tensors have no streams. A no-op for CPU tensors (there is no other stream to race with).
 

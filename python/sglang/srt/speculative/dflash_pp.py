@@ -5,14 +5,16 @@ target layers. Under pipeline parallelism a stage holds only some of those layer
 linear: ``fc(concat(h)) = sum_j h_j @ W_j.T`` with ``W_j`` the j-th ``[H, H]`` column block of
 ``fc.weight``. So each stage adds the projection of its own features to the partial it received
 and hands on one ``[tokens, H]`` tensor instead of every raw capture; only the last stage, which
-holds the draft, applies the norm (``DFlashDraftModel.project_target_hidden(partial=...)``) and
+holds the draft, applies the norm
+(``DFlashDraftModel.project_target_hidden(context_partial=...)``) and
 writes the draft KV.
 
 The partial is kept in fp32: a PP1 server rounds the fc output once, and a bf16 carry would
 round it once per stage. A stage's projection writes fp32 directly on CUDA.
 
-Feature ``L`` is captured where the target reads layer ``L + 1``'s input (the final norm's for
-the last layer), so the stage holding layer ``L + 1`` captures it. The ids are ascending, so each
+Feature ``L`` is captured where the target reads layer ``L + 1``'s input, so the stage holding
+layer ``L + 1`` captures it (a feature of the last layer, which only some targets read at their
+final norm, is refused). The ids are ascending, so each
 stage captures a run of consecutive features and the last stage's are the trailing ones.
 """
 
@@ -56,7 +58,7 @@ def feature_stages(
     stages = [get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size)]
     owners = []
     for layer_id in target_layer_ids:
-        read_at = min(layer_id + 1, num_layers - 1)  # the final norm is on the last stage
+        read_at = layer_id + 1
         owners.append(next(s for s, (a, b) in enumerate(stages) if a <= read_at < b))
     return owners
 
@@ -86,10 +88,11 @@ class DFlashPPStage:
         pp_size: int,
     ) -> "DFlashPPStage":
         ids = list(target_layer_ids)
-        if ids != sorted(set(ids)) or not 0 <= ids[0] <= ids[-1] < num_layers:
+        if ids != sorted(set(ids)) or not 0 <= ids[0] <= ids[-1] < num_layers - 1:
             raise ValueError(
                 f"DFLASH with --pp-size {pp_size} needs the draft's target_layer_ids to be "
-                f"ascending, unique and below the target's {num_layers} layers; got {ids}."
+                f"ascending, unique and read at a layer's input, below the target's last "
+                f"layer {num_layers - 1}; got {ids}."
             )
         owners = feature_stages(ids, num_layers, pp_size)
         if owners[-1] != pp_size - 1:
@@ -140,7 +143,8 @@ class DFlashPPStage:
                 device,
             )
             columns = slice(stage.features.start * hidden, stage.features.stop * hidden)
-            stage.fc_columns = fc_weight[:, columns].to(runner.model_config.dtype)
+            # A copy: the stage keeps its own columns, not the whole fc.
+            stage.fc_columns = fc_weight[:, columns].to(runner.model_config.dtype).contiguous()
         logger.info(
             "DFLASH PP stage %d/%d: captures draft features %s, %s.",
             stage.pp_rank,
@@ -168,7 +172,8 @@ class DFlashPPStage:
 
 
 def check_pp_target(model: nn.Module) -> None:
-    if not getattr(model, "supports_pp_dflash_capture", False):
+    # Declared by the class itself: a subclass may run another forward.
+    if not vars(type(model)).get("supports_pp_dflash_capture", False):
         raise ValueError(
             f"DFLASH with --pp-size > 1 needs a target whose every PP stage captures the "
             f"draft's features; {type(model).__name__} captures them on the last stage only. "
