@@ -10,6 +10,9 @@ no process-wide tricks, no trace of this repository, sglang's formatter, a revie
 from __future__ import annotations
 
 import ast
+import base64
+import csv
+import hashlib
 import json
 import os
 import re
@@ -106,6 +109,30 @@ def test_patches_apply_with_git_am_to_the_same_tree(exported_series, tmp_path):
     )
 
 
+def test_the_base_commit_is_the_wheel_as_shipped(exported_series):
+    """The base is the wheel's own files, by its RECORD: the installer's pristine copies are
+    what it replaced, and nothing else of the installed package was changed."""
+    root, base = exported_series.root, exported_series.base
+    dist = next(exported_series.site.glob("sglang-*.dist-info"))
+    with open(dist / "RECORD", newline="") as f:
+        record = {row[0]: row[1] for row in csv.reader(f)
+                  if row[0].startswith("sglang/") and "__pycache__/" not in row[0]}
+    files = git(root, "ls-tree", "-r", "-z", "--name-only", base, "--", PACKAGE_PATH)
+    files = [p[len("python/"):] for p in files.split("\0") if p]
+    assert sorted(files) == sorted(record)
+    touched = set(git(root, "diff", "-z", "--name-only", base, "HEAD").split("\0"))
+    differ = []
+    for path in files:
+        repo_path = "python/" + path
+        data = (subprocess.run(["git", "show", f"{base}:{repo_path}"], cwd=root,
+                               capture_output=True, check=True).stdout
+                if repo_path in touched else (root / repo_path).read_bytes())
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+        if record[path] != "sha256=" + digest.decode():
+            differ.append(path)
+    assert not differ, f"the base differs from the wheel's RECORD: {differ}"
+
+
 def test_exported_tree_is_the_installed_tree(exported_series):
     """``install`` and ``export-patches`` apply the same PRs: the servers run what upstream
     reads."""
@@ -131,9 +158,9 @@ def defined_tests(test_root: Path) -> List[str]:
     names = []
     for path in test_root.rglob("test_*.py"):
         body = ast.parse(path.read_text()).body
-        scopes = [(f"{path.stem}.", body)] + [(f"{c.name}.", c.body) for c in body
-                                 if isinstance(c, ast.ClassDef) and c.name.startswith("Test")]
-        names += [prefix + f.name for prefix, defs in scopes for f in defs
+        classes = [c for c in body if isinstance(c, ast.ClassDef) and c.name.startswith("Test")]
+        scopes = [(path.stem, body)] + [(c.name, c.body) for c in classes]
+        names += [f"{scope}.{f.name}" for scope, defs in scopes for f in defs
                   if isinstance(f, ast.FunctionDef) and f.name.startswith("test")]
     return names
 
@@ -228,7 +255,8 @@ def preload(names):
 first = start(0)
 guard = NoSglang()
 sys.meta_path.insert(0, guard)
-preload(["torch", "transformers"])  # the bulk, on the other core while the first child runs
+# the slowest of them (measured), on the other core while the first child runs
+preload(["torch", "transformers", "compressed_tensors", "ml_dtypes", "openai"])
 os.waitpid(first, 0)
 preload(result(0).get("ok", {}).get("third_party", []))
 sys.meta_path.remove(guard)
@@ -454,3 +482,25 @@ def test_the_command_refuses_and_checks(exported_series, tmp_path, capsys):
     assert f"{SERIES[0].name}: does not apply" in out and "not found" in out
     assert git(root, "rev-parse", "HEAD") == head
     assert not git(root, "status", "--porcelain", "--untracked-files=no")
+
+
+# -- g. the session refuses a stale install (test/conftest.py) -----------------------------------
+
+
+@pytest.mark.parametrize("state", [{"fingerprint": "0" * 16}, None])
+def test_a_stale_install_stops_the_session(tmp_path, state):
+    fake = tmp_path / "site"
+    (fake / "sglang" / "srt").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text("")
+    if state is not None:
+        (fake / "sglang_series.json").write_text(json.dumps(state))
+    here = Path(__file__).parent
+    done = subprocess.run(
+        [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+         str(here / "test_patch_series.py")],
+        cwd=here.parent, env=dict(os.environ, PYTHONPATH=str(fake)), capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "run `sglang-dflash-pp install` (or scripts/setup-dev.sh)" in done.stdout
+    assert str(fake) in done.stdout

@@ -1,21 +1,22 @@
-"""DFLASH on a pipeline-parallel PD prefill: each stage projects the draft features it captures.
+"""DFLASH on a pipeline-parallel PD prefill: each stage projects the draft features it
+captures.
 
-The DFlash context of a token is ``hidden_norm(fc(concat(h_0, ..., h_{K-1})))`` over K captured
-target layers. Under pipeline parallelism a stage holds only some of those layers, and ``fc`` is
-linear: ``fc(concat(h)) = sum_j h_j @ W_j.T`` with ``W_j`` the j-th ``[H, H]`` column block of
-``fc.weight``. So each stage adds the projection of its own features to the partial it received
-and hands on one ``[tokens, H]`` tensor instead of every raw capture; only the last stage, which
-holds the draft, applies the norm
-(``DFlashDraftModel.project_target_hidden(context_partial=...)``) and
-writes the draft KV.
+The DFlash context of a token is ``hidden_norm(fc(concat(h_0, ..., h_{K-1})))`` over K
+captured target layers. Under pipeline parallelism a stage holds only some of those
+layers, and ``fc`` is linear: ``fc(concat(h)) = sum_j h_j @ W_j.T`` with ``W_j`` the
+j-th ``[H, H]`` column block of ``fc.weight``. So each stage adds the projection of its
+own features to the partial it received and hands on one ``[tokens, H]`` tensor instead
+of every raw capture; only the last stage, which holds the draft, applies the norm
+(``DFlashDraftModel.project_target_hidden(context_partial=...)``) and writes the draft
+KV.
 
-The partial is kept in fp32: a PP1 server rounds the fc output once, and a bf16 carry would
-round it once per stage. A stage's projection writes fp32 directly on CUDA.
+The partial is kept in fp32: a PP1 server rounds the fc output once, and a bf16 carry
+would round it once per stage. A stage's projection writes fp32 directly on CUDA.
 
-Feature ``L`` is captured where the target reads layer ``L + 1``'s input, so the stage holding
-layer ``L + 1`` captures it (a feature of the last layer, which only some targets read at their
-final norm, is refused). The ids are ascending, so each
-stage captures a run of consecutive features and the last stage's are the trailing ones.
+Feature ``L`` is captured where the target reads layer ``L + 1``'s input, so the stage
+holding layer ``L + 1`` captures it (a feature of the last layer, which only some
+targets read at their final norm, is refused). The ids are ascending, so each stage
+captures a run of consecutive features and the last stage's are the trailing ones.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from sglang.srt.distributed.utils import get_pp_indices
 
 logger = logging.getLogger(__name__)
 
-# What the target puts on the PP wire: its captured features (as Kimi-K3 does for DSPARK).
+# What the target puts on the PP wire: its captured features (as Kimi-K3 for DSPARK).
 CAPTURED_FEATURES_KEY = "dspark_hidden_states"
 # What a DFLASH stage hands on instead: the running sum of the features' projections.
 CONTEXT_PARTIAL_KEY = "dflash_context_partial"
@@ -65,9 +66,10 @@ def feature_stages(
 
 @dataclass
 class DFlashPPStage:
-    """What one PP stage of a DFLASH PD prefill does with the draft context, fixed at startup:
-    the features it captures, whether a partial arrives from earlier stages, and (before the
-    last stage) the ``fc`` column blocks it projects its features with."""
+    """What one PP stage of a DFLASH PD prefill does with the draft context, fixed at
+    startup: the features it captures, whether a partial arrives from earlier stages,
+    and (before the last stage) the ``fc`` column blocks it projects its features
+    with."""
 
     pp_rank: int
     pp_size: int
@@ -90,19 +92,19 @@ class DFlashPPStage:
         ids = list(target_layer_ids)
         if ids != sorted(set(ids)) or not 0 <= ids[0] <= ids[-1] < num_layers - 1:
             raise ValueError(
-                f"DFLASH with --pp-size {pp_size} needs the draft's target_layer_ids to be "
-                f"ascending, unique and read at a layer's input, below the target's last "
-                f"layer {num_layers - 1}; got {ids}."
+                f"DFLASH with --pp-size {pp_size} needs the draft's "
+                "target_layer_ids ascending, unique and read at a layer's input, "
+                f"below the target's last layer {num_layers - 1}; got {ids}."
             )
         owners = feature_stages(ids, num_layers, pp_size)
         if owners[-1] != pp_size - 1:
             last = get_pp_indices(num_layers, pp_size - 1, pp_size)
             raise ValueError(
-                f"DFLASH with --pp-size {pp_size}: the last PP stage holds target layers "
-                f"[{last[0]}, {last[1]}) and captures none of the draft's features (layers "
-                f"{ids} are read at the input of the next layer), but it holds the draft and "
-                f"must finish the context. Set SGLANG_PP_LAYER_PARTITION so that the last "
-                f"stage holds layer {ids[-1] + 1 if ids[-1] + 1 < num_layers else ids[-1]}."
+                f"DFLASH with --pp-size {pp_size}: the last PP stage holds target "
+                f"layers [{last[0]}, {last[1]}) and captures none of the draft's "
+                f"features (layers {ids} are read at the next layer's input), but it "
+                "holds the draft and must finish the context. Set "
+                f"SGLANG_PP_LAYER_PARTITION so that it holds layer {ids[-1] + 1}."
             )
         mine = [j for j, s in enumerate(owners) if s == pp_rank]
         features = range(mine[0], mine[-1] + 1) if mine else range(0)
@@ -115,9 +117,10 @@ class DFlashPPStage:
 
     @classmethod
     def for_target(cls, runner, device: torch.device) -> "DFlashPPStage":
-        """This process's stage of the target ``runner``, with its ``fc`` column blocks read
-        before the last stage. Everything is checked here, at startup, on every stage alike:
-        a stage that raised mid-batch would leave the others waiting on it."""
+        """This process's stage of the target ``runner``, with its ``fc`` column blocks
+        read before the last stage. Everything is checked here, at startup, on every
+        stage alike: a stage that raised mid-batch would leave the others waiting on
+        it."""
         from sglang.srt.runtime_context import get_model, get_parallel, get_spec
 
         draft_config = runner.spec_aux_config.draft_model_config
@@ -144,7 +147,9 @@ class DFlashPPStage:
             )
             columns = slice(stage.features.start * hidden, stage.features.stop * hidden)
             # A copy: the stage keeps its own columns, not the whole fc.
-            stage.fc_columns = fc_weight[:, columns].to(runner.model_config.dtype).contiguous()
+            stage.fc_columns = (
+                fc_weight[:, columns].to(runner.model_config.dtype).contiguous()
+            )
         logger.info(
             "DFLASH PP stage %d/%d: captures draft features %s, %s.",
             stage.pp_rank,
@@ -159,7 +164,8 @@ class DFlashPPStage:
         outbound: dict,
         inbound: Optional[dict],
     ) -> None:
-        """Replace this stage's raw captures in its outbound PP tensors with the partial."""
+        """Replace this stage's raw captures in its outbound PP tensors with the
+        partial."""
         captured = outbound.pop(CAPTURED_FEATURES_KEY, None)
         partial = inbound[CONTEXT_PARTIAL_KEY] if self.receives_partial else None
         if self.features:
@@ -175,15 +181,15 @@ def check_pp_target(model: nn.Module) -> None:
     # Declared by the class itself: a subclass may run another forward.
     if not vars(type(model)).get("supports_pp_dflash_capture", False):
         raise ValueError(
-            f"DFLASH with --pp-size > 1 needs a target whose every PP stage captures the "
-            f"draft's features; {type(model).__name__} captures them on the last stage only. "
-            "Serve it with --pp-size 1."
+            "DFLASH with --pp-size > 1 needs a target whose every PP stage captures "
+            f"the draft's features; {type(model).__name__} captures them on the last "
+            "stage only. Serve it with --pp-size 1."
         )
 
 
 def check_pp_draft(draft_hf_config) -> None:
-    """The draft's context projection must be a plain ``fc`` over the concatenated features,
-    so that it splits into per-stage column blocks."""
+    """The draft's context projection must be a plain ``fc`` over the concatenated
+    features, so that it splits into per-stage column blocks."""
     from sglang.srt.models.dflash import DFlashDraftModel
     from sglang.srt.models.registry import ModelRegistry
     from sglang.srt.speculative.dflash_utils import is_nemotron_35_draft_config
@@ -203,8 +209,9 @@ def check_pp_draft(draft_hf_config) -> None:
     else:
         return
     raise ValueError(
-        f"DFLASH with --pp-size > 1 splits the draft's fc into per-stage column blocks, "
-        f"which needs an unquantized plain fc, but {why}. Serve it with --pp-size 1."
+        "DFLASH with --pp-size > 1 splits the draft's fc into per-stage column "
+        f"blocks, which needs an unquantized plain fc, but {why}. Serve it with "
+        "--pp-size 1."
     )
 
 

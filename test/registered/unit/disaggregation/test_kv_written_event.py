@@ -1,5 +1,5 @@
-"""A PP prefill stage's forward event reaches the KV senders of the batch's requests, and the
-next send of each hands it to the transfer worker as the chunk's wait_event."""
+"""A PP prefill stage's forward event reaches the KV senders of the batch's requests,
+and the next send of each hands it to the transfer worker as the chunk's wait_event."""
 
 import unittest
 from contextlib import nullcontext
@@ -66,7 +66,7 @@ def _req(sender) -> Req:
 
 
 def _launch(scheduler_reqs):
-    """Run the real `_pp_launch_batch` of a non-last stage whose forward is a stand-in."""
+    """The real `_pp_launch_batch` of a non-last stage, its forward a stand-in."""
     batch = object.__new__(ScheduleBatch)
     batch.reqs = scheduler_reqs
     batch.spec_algorithm = SpeculativeAlgorithm.NONE

@@ -1,9 +1,9 @@
 """DFLASH draft KV sent head by head to a decode of another attention TP.
 
 Every byte is checked: the descriptors `send_draft_kvcache_heads` builds are applied to
-simulated pools (a recording engine copies between numpy buffers at their addresses), and each
-decode rank must end up holding exactly its own draft heads of every token row, from the right
-prefill rows, and nothing else.
+simulated pools (a recording engine copies between numpy buffers at their addresses),
+and each decode rank must end up holding exactly its own draft heads of every token row,
+from the right prefill rows, and nothing else.
 """
 
 import concurrent.futures
@@ -63,7 +63,7 @@ class _Memory:
 
 
 def _rank_heads(total: int, tp: int, rank: int) -> range:
-    """The global draft heads an attention-TP rank holds (QKVParallelLinear's sharding)."""
+    """The global draft heads an attention-TP rank holds (QKVParallelLinear)."""
     per_rank = max(1, total // tp)
     if tp <= total:
         return range(rank * per_rank, (rank + 1) * per_rank)
@@ -71,7 +71,7 @@ def _rank_heads(total: int, tp: int, rank: int) -> range:
 
 
 def _prefill_ranks(tp_p: int, tp_d: int, dst_rank: int) -> range:
-    """The prefill ranks a decode rank receives from (CommonKVManager's rank mapping)."""
+    """The prefill ranks a decode rank receives from (CommonKVManager's mapping)."""
     if tp_d >= tp_p:
         p = dst_rank // (tp_d // tp_p)
         return range(p, p + 1)
@@ -133,8 +133,8 @@ def _registration(memory, dst_rank, tp_d, pools) -> KVArgsRegisterInfo:
 
 
 def transfer(total: int, tp_p: int, tp_d: int):
-    """Send every prefill rank's draft to every decode rank it maps to; return the decode
-    pools and the number of descriptors moved."""
+    """Send every prefill rank's draft to every decode rank it maps to; return the
+    decode pools and the number of descriptors moved."""
     memory = _Memory()
     managers = [
         _manager(memory, total, tp_p, p, _prefill_pool(total, tp_p, p))
@@ -180,7 +180,9 @@ class TestDraftKVHeads(unittest.TestCase):
             ):
                 expected[e, dst, h] = _value(e, src, head)
             np.testing.assert_array_equal(
-                pools, expected, err_msg=f"{total} heads, TP{tp_p} -> TP{tp_d}, rank {r}"
+                pools,
+                expected,
+                err_msg=f"{total} heads, TP{tp_p} -> TP{tp_d}, rank {r}",
             )
 
     def test_every_decode_rank_holds_exactly_its_heads(self):
@@ -208,7 +210,9 @@ class TestDraftKVHeads(unittest.TestCase):
         reason = manager._draft_kv_layout_mismatch(info)
         self.assertIn("--page-size and --kv-cache-dtype", reason)
         manager.enable_staging = True
-        self.assertIn("SGLANG_DISAGG_STAGING_BUFFER", manager._draft_kv_layout_mismatch(info))
+        self.assertIn(
+            "SGLANG_DISAGG_STAGING_BUFFER", manager._draft_kv_layout_mismatch(info)
+        )
 
     def test_equal_tp_keeps_the_page_copies(self):
         memory = _Memory()
@@ -232,7 +236,9 @@ class TestDraftKVHeads(unittest.TestCase):
         draft = SimpleNamespace(layer_num=LAYERS)
         self.assertEqual(ids(draft, True), [2, 3, 2, 3, 4, 5, 4, 5])
         self.assertEqual(ids(None, True), [2, 3, 2, 3])  # a stage without the draft
-        self.assertEqual(ids(draft, False), [])  # other algorithms: positional, as before
+        self.assertEqual(
+            ids(draft, False), []
+        )  # other algorithms: positional, as before
 
 
 if __name__ == "__main__":

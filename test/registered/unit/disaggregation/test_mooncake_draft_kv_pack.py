@@ -1,9 +1,10 @@
-"""DFLASH draft heads packed on the prefill for a decode of larger attention TP: every decode
-byte of the packed sends is checked against the heads its own draft would hold.
+"""DFLASH draft heads packed on the prefill for a decode of larger attention TP: every
+decode byte of the packed sends is checked against the heads its own draft would hold.
 
-The pack's Triton gather (``copy_mla_rows_into_pack``) cannot run on a CPU: here its reference,
-reading the simulated pools at their addresses, stands in for it; everything around it (the
-pack layout, the offsets and widths given to it, the page-run descriptors) is the real code.
+The pack's Triton gather (``copy_mla_rows_into_pack``) cannot run on a CPU: here its
+reference, reading the simulated pools at their addresses, stands in for it; everything
+around it (the pack layout, the offsets and widths given to it, the page-run
+descriptors) is the real code.
 """
 
 import concurrent.futures
@@ -14,13 +15,12 @@ from unittest import mock
 import numpy as np
 import torch
 
-import sglang.srt.disaggregation.common.dcp_pack as dcp_pack
-from sglang.srt.runtime_context import get_context
-from sglang.test.ci.ci_register import register_cpu_ci
-
-from test_mooncake_draft_kv_heads import (  # noqa: E402  (the simulated pools and engine)
+# The simulated pools and engine.
+from test_mooncake_draft_kv_heads import (
     DST_PAGES,
+    HEAD_BYTES,
     LAYERS,
+    NUM_PAGES,
     PAGE,
     SRC_PAGES,
     _manager,
@@ -29,9 +29,11 @@ from test_mooncake_draft_kv_heads import (  # noqa: E402  (the simulated pools a
     _rank_heads,
     _registration,
     _value,
-    NUM_PAGES,
-    HEAD_BYTES,
 )
+
+import sglang.srt.disaggregation.common.dcp_pack as dcp_pack
+from sglang.srt.runtime_context import get_context
+from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
@@ -47,7 +49,7 @@ class _HostStream:
 
 
 class _PackBuffer:
-    """The StagingBuffer interface the pack reads, over a simulated registered buffer."""
+    """The StagingBuffer interface the pack reads, over a simulated buffer."""
 
     def __init__(self, memory: _Memory, size: int):
         self.array = np.zeros(size, np.uint8)
@@ -99,12 +101,16 @@ class TestDraftKVPack(unittest.TestCase):
         )[1]
         pack = _PackBuffer(memory, pack_bytes)
         with (
-            mock.patch.object(dcp_pack, "copy_mla_rows_into_pack", _reference_gather(memory)),
+            mock.patch.object(
+                dcp_pack, "copy_mla_rows_into_pack", _reference_gather(memory)
+            ),
             concurrent.futures.ThreadPoolExecutor(2) as executor,
         ):
             for r in range(tp_d // tp_p):  # the decode ranks prefill rank 0 writes
                 heads = len(_rank_heads(total, tp_d, r))
-                pools = np.zeros((2 * LAYERS, NUM_PAGES * PAGE, heads, HEAD_BYTES), np.uint8)
+                pools = np.zeros(
+                    (2 * LAYERS, NUM_PAGES * PAGE, heads, HEAD_BYTES), np.uint8
+                )
                 info = _registration(memory, r, tp_d, pools)
                 ret = manager.send_draft_kvcache_heads(
                     "decode", SRC_PAGES, info, DST_PAGES, executor, pack_buffer=pack

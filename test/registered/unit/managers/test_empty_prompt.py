@@ -1,4 +1,4 @@
-"""A prompt that tokenizes to zero tokens is refused where the tokenized prompt is checked."""
+"""A prompt that tokenizes to zero tokens is refused where prompts are checked."""
 
 import unittest
 from types import SimpleNamespace
@@ -17,7 +17,11 @@ def _validate(num_tokens: int) -> None:
     # The fields the check reads; a real TokenizerManager starts a scheduler.
     tm = object.__new__(TokenizerManager)
     tm.context_len, tm.num_reserved_tokens = CONTEXT, 0
-    tm.allow_auto_truncate, tm.validate_total_tokens, tm.is_generation = False, True, True
+    tm.allow_auto_truncate, tm.validate_total_tokens, tm.is_generation = (
+        False,
+        True,
+        True,
+    )
     tm.model_config = SimpleNamespace(joint_head_config=None, pointer_head=None)
     obj = GenerateReqInput(text="x", sampling_params={"max_new_tokens": 4})
     obj.normalize_batch_and_arguments()

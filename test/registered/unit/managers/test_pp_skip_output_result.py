@@ -1,5 +1,5 @@
-"""The result a PP stage synthesises for a skipped output relay keeps the batch's draft input,
-which the PD prefill's result processing asserts it was given."""
+"""The result a PP stage synthesises for a skipped output relay keeps the batch's draft
+input, which the PD prefill's result processing asserts it was given."""
 
 import unittest
 

@@ -1,4 +1,4 @@
-"""`ModelRunner._extend_forward_kwargs` hands `input_embeds` to the model in its own dtype."""
+"""`ModelRunner._extend_forward_kwargs` passes `input_embeds` in the model's dtype."""
 
 import unittest
 from types import SimpleNamespace
@@ -32,7 +32,9 @@ class TestExtendForwardKwargs(unittest.TestCase):
         kwargs = _runner(torch.float32)._extend_forward_kwargs(_batch(embeds), None)
         self.assertEqual(kwargs["input_embeds"].dtype, torch.float32)
         self.assertTrue(torch.equal(kwargs["input_embeds"], embeds))
-        torch.nn.Linear(8, 8)(kwargs["input_embeds"])  # an fp32 first layer accepts them
+        torch.nn.Linear(8, 8)(
+            kwargs["input_embeds"]
+        )  # an fp32 first layer accepts them
 
     def test_bf16_model_gets_bf16_embeds(self):
         embeds = torch.randn(3, 8)

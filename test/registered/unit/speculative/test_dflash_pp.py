@@ -1,5 +1,5 @@
-"""DFLASH on a pipeline-parallel PD prefill: which stage captures which draft feature, and the
-per-stage partial projections summing to the single fc a PP1 server applies."""
+"""DFLASH on a pipeline-parallel PD prefill: which stage captures which draft feature,
+and the per-stage partial projections summing to the single fc a PP1 server applies."""
 
 import os
 import socket
@@ -40,7 +40,9 @@ class TestFeatureStages(unittest.TestCase):
         stages = [DFlashPPStage.build(KIMI_K3_IDS, 93, r, 8) for r in range(8)]
         self.assertEqual([list(s.features) for s in stages][:3], [[], [0], []])
         self.assertEqual(list(stages[7].features), [5])
-        self.assertEqual([s.receives_partial for s in stages], [False, False] + [True] * 6)
+        self.assertEqual(
+            [s.receives_partial for s in stages], [False, False] + [True] * 6
+        )
 
     def test_refusals(self):
         with self.assertRaisesRegex(ValueError, "SGLANG_PP_LAYER_PARTITION"):
@@ -63,14 +65,18 @@ class TestPartialProjection(unittest.TestCase):
         inbound = None
         for rank in range(2):
             stage = DFlashPPStage.build(ids, 6, rank, 3)
-            stage.fc_columns = fc[:, stage.features.start * hidden : stage.features.stop * hidden]
+            stage.fc_columns = fc[
+                :, stage.features.start * hidden : stage.features.stop * hidden
+            ]
             outbound = {CAPTURED_FEATURES_KEY: feats[rank], "hidden_states": None}
             stage.hand_on(outbound, inbound)
             self.assertNotIn(CAPTURED_FEATURES_KEY, outbound)
             self.assertEqual(outbound[CONTEXT_PARTIAL_KEY].dtype, torch.float32)
             inbound = outbound
         last = DFlashPPStage.build(ids, 6, 2, 3)
-        total = fc_projection(feats[2], fc[:, 2 * hidden :], last.inbound_partial(inbound))
+        total = fc_projection(
+            feats[2], fc[:, 2 * hidden :], last.inbound_partial(inbound)
+        )
         torch.testing.assert_close(total, torch.cat(feats, -1) @ fc.t())
 
     def test_a_stage_without_features_passes_the_partial_on(self):
@@ -117,7 +123,9 @@ class TestLastStageProjection(unittest.TestCase):
             torch_dtype="float32",
             block_size=4,
             num_target_layers=8,
-            dflash_config=dict(block_size=4, mask_token_id=260, target_layer_ids=[1, 3, 5]),
+            dflash_config=dict(
+                block_size=4, mask_token_id=260, target_layer_ids=[1, 3, 5]
+            ),
         )
         model = DFlashDraftModel(config).eval()
         torch.manual_seed(0)
@@ -127,7 +135,9 @@ class TestLastStageProjection(unittest.TestCase):
             feats = torch.randn(6, 3 * hidden)
             expected = model.project_target_hidden(feats)
             partial = feats[:, : 2 * hidden] @ model.fc.weight[:, : 2 * hidden].t()
-            padded = torch.cat([partial, torch.randn(2, hidden)])  # trailing padding rows
+            padded = torch.cat(
+                [partial, torch.randn(2, hidden)]
+            )  # trailing padding rows
             got = model.project_target_hidden(
                 feats[:, 2 * hidden :], context_partial=padded
             )
