@@ -166,32 +166,17 @@ partitions, the partial sum equal to the single fc, refusals).
                 return super().spec_v2_attn_backends
             """,
         ),
-        InsertStatements(
-            WORKER,
-            "DFlashWorkerV2.alloc_memory_pool",
-            at="start",
-            code="""
-            if not self._hosts_draft:
-                return
-            """,
-        ),
-        InsertStatements(
-            WORKER,
-            "DFlashWorkerV2.init_attention_backends",
-            at="start",
-            code="""
-            if not self._hosts_draft:
-                return
-            """,
-        ),
-        InsertStatements(
-            WORKER,
-            "DFlashWorkerV2.init_cuda_graphs",
-            at="start",
-            code="""
-            if not self._hosts_draft:
-                return
-            """,
+        *(
+            InsertStatements(
+                WORKER,
+                f"DFlashWorkerV2.{method}",
+                at="start",
+                code="""
+                if not self._hosts_draft:
+                    return
+                """,
+            )
+            for method in ("alloc_memory_pool", "init_attention_backends", "init_cuda_graphs")
         ),
         InsertStatements(
             WORKER,

@@ -160,6 +160,21 @@ def transfer(total: int, tp_p: int, tp_d: int):
     return decode, memory.descriptors
 
 
+def expected_decode_pools(pools, total: int, tp_d: int, rank: int) -> np.ndarray:
+    """What decode rank ``rank`` must hold: its own heads of the prefill's source rows, at
+    its destination rows, and nothing elsewhere."""
+    expected = np.zeros_like(pools)
+    src_rows = (SRC_PAGES[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
+    dst_rows = (DST_PAGES[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
+    for e, (src, dst), (h, head) in itertools.product(
+        range(2 * LAYERS),
+        zip(src_rows, dst_rows),
+        enumerate(_rank_heads(total, tp_d, rank)),
+    ):
+        expected[e, dst, h] = _value(e, src, head)
+    return expected
+
+
 class TestDraftKVHeads(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -169,19 +184,10 @@ class TestDraftKVHeads(unittest.TestCase):
 
     def check(self, total: int, tp_p: int, tp_d: int):
         decode, _ = transfer(total, tp_p, tp_d)
-        src_rows = (SRC_PAGES[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
-        dst_rows = (DST_PAGES[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
         for r, pools in enumerate(decode):
-            expected = np.zeros_like(pools)
-            for e, (src, dst), (h, head) in itertools.product(
-                range(2 * LAYERS),
-                zip(src_rows, dst_rows),
-                enumerate(_rank_heads(total, tp_d, r)),
-            ):
-                expected[e, dst, h] = _value(e, src, head)
             np.testing.assert_array_equal(
                 pools,
-                expected,
+                expected_decode_pools(pools, total, tp_d, r),
                 err_msg=f"{total} heads, TP{tp_p} -> TP{tp_d}, rank {r}",
             )
 

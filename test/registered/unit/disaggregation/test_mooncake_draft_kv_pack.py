@@ -8,7 +8,6 @@ descriptors) is the real code.
 """
 
 import concurrent.futures
-import itertools
 import unittest
 from unittest import mock
 
@@ -28,7 +27,7 @@ from test_mooncake_draft_kv_heads import (
     _prefill_pool,
     _rank_heads,
     _registration,
-    _value,
+    expected_decode_pools,
 )
 
 import sglang.srt.disaggregation.common.dcp_pack as dcp_pack
@@ -125,17 +124,10 @@ class TestDraftKVPack(unittest.TestCase):
                 decode, sent, memory = self.send(total, tp_p, tp_d, 1 << 16)
                 # One descriptor per run of decode pages ([2, 3], [7]) and entry.
                 self.assertEqual(sent, [2 * 2 * LAYERS] * (tp_d // tp_p))
-                src_rows = (SRC_PAGES[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
-                dst_rows = (DST_PAGES[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
                 for r, pools in enumerate(decode):
-                    expected = np.zeros_like(pools)
-                    for e, (src, dst), (h, head) in itertools.product(
-                        range(2 * LAYERS),
-                        zip(src_rows, dst_rows),
-                        enumerate(_rank_heads(total, tp_d, r)),
-                    ):
-                        expected[e, dst, h] = _value(e, src, head)
-                    np.testing.assert_array_equal(pools, expected)
+                    np.testing.assert_array_equal(
+                        pools, expected_decode_pools(pools, total, tp_d, r)
+                    )
 
     def test_a_chunk_larger_than_the_buffer_goes_per_row(self):
         decode, sent, memory = self.send(8, 4, 32, 8)  # too small for any chunk
