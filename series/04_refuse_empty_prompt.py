@@ -12,10 +12,11 @@ allocates a request-pool row and no KV token for it, cannot release it
 
 `TokenizerManager._validate_one_request`, the first check that sees the tokenized prompt,
 refuses it with a 400 as an empty `input_ids` field is refused today, on every server and
-before any queue. Requests given as `input_embeds` carry no ids and are not affected.
+before any queue. Requests given as `input_embeds` carry no ids, and a session turn is
+prefixed with the session's history later; neither is affected.
 
-Tests: `test/registered/unit/managers/test_empty_prompt.py` (0 tokens refused; 1 token and an
-over-long prompt behave as before).
+Tests: `test/registered/unit/managers/test_empty_prompt.py` (0 tokens refused; a session turn,
+1 token and an over-long prompt behave as before).
 """,
     edits=[
         InsertStatements(
@@ -23,8 +24,13 @@ over-long prompt behave as before).
             "TokenizerManager._validate_one_request",
             before=Stmt("_max_req_len = self.context_len"),
             code="""
-            if input_ids is not None and len(input_ids) == 0:
+            if (
+                input_ids is not None
+                and len(input_ids) == 0
+                and getattr(obj, "session_params", None) is None
+            ):
                 # No token to prefill, and no position whose logits give a first token.
+                # (A session turn is prefixed with the session's history later.)
                 raise ValueError("The input prompt is empty (0 tokens after tokenization).")
             """,
         ),

@@ -41,11 +41,16 @@ At registration the prefill checks the decode's draft entries against the layout
 (`_draft_kv_layout_mismatch`): their item lengths must hold the decode's share of the draft
 heads. A decode that does not fit is refused before any byte is written, with a message naming
 the setting, as stock refuses a mismatched state layout. Layouts this path cannot serve are
-refused the same way: a DFLASH draft pool that is not a plain NHD MHA pool at another TP, the
-staging buffer (`SGLANG_DISAGG_STAGING_BUFFER`), and a pure-MLA target whose decode has the
-smaller TP (its other prefill ranks send nothing).
+refused the same way: a DFLASH draft pool that is not a plain NHD MHA pool, or a pure-MLA
+target (whose send path subtracts the draft band itself), at another TP; the staging buffer
+(`SGLANG_DISAGG_STAGING_BUFFER`). A PP prefill whose layer ids only one peer publishes (say a
+prefill without DFLASH into a DFLASH decode) is refused at registration too: it used to fail at
+its first transfer and stop the transfer thread. A decode reached through DCP relayout keeps
+`send_kvcache_dcp`'s own draft slicing.
 
-Equal attention TP, other algorithms and other backends are unchanged.
+Equal attention TP and other algorithms are unchanged on Mooncake. On other backends the only
+change is that a DFLASH plain-MHA pool now publishes layer ids; both peers of a DFLASH
+deployment do, so they pair by id where they paired by position.
 
 Tests: `test/registered/unit/disaggregation/test_mooncake_draft_kv_heads.py`: over TP pairs
 1->2, 2->1, 2->8, 4->32, 8->2 (and replicated heads), the bytes the descriptors move give every
@@ -265,6 +270,7 @@ bytes a same-TP deployment gives it.
                 another attention TP it holds other draft heads per token row."""
                 return (
                     self.kv_args.draft_total_kv_head_num > 0
+                    and not self.is_mla_backend
                     and dst_attn_tp_size is not None
                     and dst_attn_tp_size != self.attn_tp_size
                 )
@@ -273,23 +279,30 @@ bytes a same-TP deployment gives it.
                 self, registration_info: KVArgsRegisterInfo
             ) -> Optional[str]:
                 """Why a decode cannot take this rank's DFLASH draft KV, or None."""
+                if self.pp_size > 1 and bool(self.kv_args.kv_layer_ids) != bool(
+                    registration_info.dst_kv_layer_ids
+                ):
+                    # A PP stage's entries pair with the decode's only by layer id.
+                    return (
+                        "only one of prefill and decode publishes KV layer ids; run both "
+                        "with the same model, draft and --speculative-algorithm"
+                    )
                 dst_tp = registration_info.dst_attn_tp_size
                 if (
                     not self.kv_args.num_draft_entries
                     or get_spec().speculative_algorithm != "DFLASH"
                     or dst_tp == self.attn_tp_size
+                    or registration_info.requires_dcp_relayout  # send_kvcache_dcp's own
                 ):
                     return None
                 where = (
                     f"DFLASH draft KV from prefill attention TP {self.attn_tp_size} to "
                     f"decode attention TP {dst_tp}"
                 )
-                if not self.kv_args.draft_total_kv_head_num:
-                    return f"{where}: the draft KV pool is not a plain NHD MHA pool; use equal TP"
+                if not self.kv_args.draft_total_kv_head_num or self.is_mla_backend:
+                    return f"{where}: the draft KV can only be sent at equal attention TP"
                 if self.enable_staging:
                     return f"{where}: unset SGLANG_DISAGG_STAGING_BUFFER"
-                if self.is_mla_backend and dst_tp < self.attn_tp_size:
-                    return f"{where}: run the decode at the larger attention TP"
                 if max(dst_tp, self.attn_tp_size) % min(dst_tp, self.attn_tp_size):
                     return f"{where}: one TP size must divide the other"
                 total = self.kv_args.draft_total_kv_head_num

@@ -36,7 +36,11 @@ is unchanged. The PP relay rebuilds the prefill's `DFlashDraftInputV2` on every 
 does for DSPARK, the last stage builds its draft with the target's seed and the stage-local
 load group (as `DSparkWorkerV2` does: a WORLD broadcast there deadlocked against the stages
 that build no draft), and it skips the two steps that need the target's embedding, which is
-not on that stage and only serves draft blocks a prefill never runs.
+not on that stage: caching the full embedding (DP attention's draft blocks) and merging a
+trained mask embedding into the target's mask-token row. That row is read only where a
+prompt contains the draft's mask token, which then embeds with the checkpoint's own row. Under
+PP the draft keeps the weights it was loaded with: draft weight updates are not applied
+(`weight_update_runners`), since the earlier stages' `fc` columns could not follow them.
 
 The target must capture its features on every stage: Kimi-K3 already relays its captures
 between stages as `dspark_hidden_states`; Llama now does the same (about five lines in
@@ -153,7 +157,9 @@ partitions, the partial sum equal to the single fc, refusals).
             "DFlashWorkerV2.weight_update_runners",
             at="start",
             code="""
-            if not self._hosts_draft:
+            if self._pp_stage is not None:
+                # The stages before the last hold fc columns read at startup, which a
+                # draft update could not reach: under PP the draft keeps its weights.
                 return []
             """,
         ),
@@ -300,7 +306,7 @@ partitions, the partial sum equal to the single fc, refusals).
             before=Stmt("return"),
             code="""
             # Captured here too, and handed on in the PP tensors (LlamaModel.forward).
-            self.model.layers_to_capture = [val + 1 for val in layer_ids]
+            self.model.layers_to_capture = [val + 1 for val in layer_ids or ()]
             """,
         ),
         ReplaceStatement(

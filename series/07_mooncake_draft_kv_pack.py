@@ -28,8 +28,9 @@ the send starts after it synchronised. A chunk that does not fit, and every othe
 the per-token descriptors.
 
 Memory: 2 x 6 x 128 x 2 B x 8192 tokens = 25 MB per transfer worker for Kimi-K3's draft
-(100 MB with the default 4 queues), only on a DFLASH prefill whose draft has 2 or more heads
-per rank.
+(100 MB with the default 4 queues), from Mooncake's custom pool when one is configured, only on
+a DFLASH prefill whose draft has 2 or more heads per rank. It is allocated at startup, before
+any decode registers, so also where every decode runs the same TP and never packs.
 
 Speed, Kimi-K3 geometry (a prefill rank at TP4 sends an 8192-token chunk to its 8 decode
 ranks at TP32: 201 MB, 4.0 ms at 50 GB/s):
@@ -112,10 +113,17 @@ chunk larger than the buffer falls back to per-token descriptors.
                 row_bytes = sum(self.kv_args.kv_item_lens[-n:]) // self.kv_args.page_size
                 # A larger decode TP takes at most half of this rank's heads.
                 size = (chunk + self.kv_args.page_size) * row_bytes // 2
+                from sglang.srt.disaggregation.common.staging_handler import (
+                    _get_custom_mem_pool,
+                )
+
+                device = f"cuda:{self.kv_args.gpu_id}"
+                # Mooncake's NVLink pools need registered memory allocated from them.
+                custom_mem_pool, _ = _get_custom_mem_pool(device)
                 buffers = []
                 for _ in range(count):
                     buf = StagingBuffer(
-                        size, f"cuda:{self.kv_args.gpu_id}", self.kv_args.gpu_id
+                        size, device, self.kv_args.gpu_id, custom_mem_pool=custom_mem_pool
                     )
                     self._register_staging_memory(buf.get_ptr(), buf.get_size())
                     buffers.append(buf)

@@ -161,8 +161,9 @@ def _draft_kv(rep: dict, record, resolved: dict, draft, inputs: CheckInputs) -> 
                                 kv_item_lens=[item_len(tp_p)] * entries),
         attn_tp_size=tp_p, enable_staging=envs.SGLANG_DISAGG_STAGING_BUFFER.get(),
         is_mla_backend=rep["target"]["mla_pool"],
+        pp_size=1,  # both sides of a DFLASH deployment publish layer ids: no mismatch there
     )
-    peer = SimpleNamespace(dst_attn_tp_size=tp_d, dst_tp_rank=0,
+    peer = SimpleNamespace(dst_attn_tp_size=tp_d, dst_tp_rank=0, requires_dcp_relayout=False,
                            dst_kv_item_lens=[item_len(tp_d)] * entries)
     mismatch = MooncakeKVManager._draft_kv_layout_mismatch(manager, peer)
     if mismatch:

@@ -59,7 +59,7 @@ def feature_stages(
     stages = [get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size)]
     owners = []
     for layer_id in target_layer_ids:
-        read_at = layer_id + 1
+        read_at = min(layer_id + 1, num_layers - 1)  # the last layer: refused by build
         owners.append(next(s for s, (a, b) in enumerate(stages) if a <= read_at < b))
     return owners
 
@@ -233,7 +233,11 @@ def _read_fc_weight(
         fc = nn.Linear(shape[1], shape[0], bias=False, dtype=dtype, device=device)
         initialize_dummy_weights(fc)
         return fc.weight.data
-    loader = DefaultModelLoader(LoadConfig(load_format=load_format))
+    from sglang.srt.runtime_context import get_model
+
+    loader = DefaultModelLoader(
+        LoadConfig(load_format=load_format, download_dir=get_model().download_dir)
+    )
     source = DefaultModelLoader.Source(path, revision, fall_back_to_pt=True)
     # The names DFlashDraftModel.load_weights accepts for its fc.
     names = ("fc.weight", "model.fc.weight", "encoder.fc.weight")

@@ -93,11 +93,6 @@ class TestKVWrittenEvent(unittest.TestCase):
         sender.send(np.arange(4, dtype=np.int32))
         self.assertIs(sender.kv_mgr.requests[-1]["wait_event"], event)
 
-    def test_a_request_without_sender_is_left_alone(self):
-        req = _req(None)
-        _launch([req])
-        self.assertIsNone(req.disagg_kv_sender)
-
     def test_without_a_pp_forward_nothing_waits(self):
         sender = _sender()
         sender.send(np.arange(4, dtype=np.int32))

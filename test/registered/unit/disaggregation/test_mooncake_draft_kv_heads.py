@@ -108,6 +108,7 @@ def _manager(memory, total, tp_p, rank, pool) -> MooncakeKVManager:
     manager.engine = memory
     manager.enable_staging = False
     manager.is_mla_backend = False
+    manager.pp_size = 1
     manager.enable_deferred_decode_kv_release = False
     return manager
 
@@ -161,8 +162,8 @@ def transfer(total: int, tp_p: int, tp_d: int):
 
 
 def expected_decode_pools(pools, total: int, tp_d: int, rank: int) -> np.ndarray:
-    """What decode rank ``rank`` must hold: its own heads of the prefill's source rows, at
-    its destination rows, and nothing elsewhere."""
+    """What decode rank ``rank`` must hold: its own heads of the prefill's source rows,
+    at its destination rows, and nothing elsewhere."""
     expected = np.zeros_like(pools)
     src_rows = (SRC_PAGES[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
     dst_rows = (DST_PAGES[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
@@ -219,6 +220,27 @@ class TestDraftKVHeads(unittest.TestCase):
         self.assertIn(
             "SGLANG_DISAGG_STAGING_BUFFER", manager._draft_kv_layout_mismatch(info)
         )
+
+    def test_layouts_this_path_cannot_serve_are_refused(self):
+        memory = _Memory()
+        manager = _manager(memory, 8, 4, 0, _prefill_pool(8, 4, 0))
+        pools = np.zeros((2 * LAYERS, NUM_PAGES * PAGE, 1, HEAD_BYTES), np.uint8)
+        info = _registration(memory, 0, 32, pools)
+        self.assertIsNone(manager._draft_kv_layout_mismatch(info))
+        manager.is_mla_backend = True  # pure MLA pairs its draft band positionally
+        self.assertFalse(manager._sends_draft_kv_heads(32))
+        self.assertIn("equal attention TP", manager._draft_kv_layout_mismatch(info))
+        manager.is_mla_backend = False
+        manager.pp_size, manager.kv_args.kv_layer_ids = 2, list(range(2 * LAYERS))
+        self.assertIn("layer ids", manager._draft_kv_layout_mismatch(info))
+
+    def test_a_dcp_decode_keeps_its_own_path(self):
+        memory = _Memory()
+        manager = _manager(memory, 8, 4, 0, _prefill_pool(8, 4, 0))
+        pools = np.zeros((2 * LAYERS, NUM_PAGES * PAGE, 2, HEAD_BYTES), np.uint8)
+        info = _registration(memory, 0, 32, pools)  # a layout this path would refuse
+        info.requires_dcp_relayout = True
+        self.assertIsNone(manager._draft_kv_layout_mismatch(info))
 
     def test_equal_tp_keeps_the_page_copies(self):
         memory = _Memory()

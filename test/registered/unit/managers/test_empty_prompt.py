@@ -13,7 +13,7 @@ register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 CONTEXT = 64
 
 
-def _validate(num_tokens: int) -> None:
+def _validate(num_tokens: int, session_params=None) -> None:
     # The fields the check reads; a real TokenizerManager starts a scheduler.
     tm = object.__new__(TokenizerManager)
     tm.context_len, tm.num_reserved_tokens = CONTEXT, 0
@@ -23,7 +23,9 @@ def _validate(num_tokens: int) -> None:
         True,
     )
     tm.model_config = SimpleNamespace(joint_head_config=None, pointer_head=None)
-    obj = GenerateReqInput(text="x", sampling_params={"max_new_tokens": 4})
+    obj = GenerateReqInput(
+        text="x", sampling_params={"max_new_tokens": 4}, session_params=session_params
+    )
     obj.normalize_batch_and_arguments()
     tm._validate_one_request(obj, list(range(num_tokens)))
 
@@ -36,6 +38,9 @@ class TestEmptyPrompt(unittest.TestCase):
     def test_zero_tokens_refused(self):
         with self.assertRaisesRegex(ValueError, "empty"):
             _validate(0)
+
+    def test_an_empty_session_turn_admitted(self):
+        _validate(0, session_params={"id": "s0"})
 
     def test_one_token_admitted(self):
         _validate(1)
