@@ -44,7 +44,9 @@ PP the draft keeps the weights it was loaded with: draft weight updates are not 
 
 The target must capture its features on every stage: Kimi-K3 already relays its captures
 between stages as `dspark_hidden_states`; Llama now does the same (about five lines in
-`LlamaModel.forward`). Both declare `supports_pp_dflash_capture`.
+`LlamaModel.forward`). Both declare `supports_pp_dflash_capture`. Llama reads layer L at
+layer L + 1's input, so it never captured a draft feature of its last layer: a PP1 server
+failed on such a draft at its first request; every server now refuses it at startup.
 
 Only the last stage appends draft KV entries, so with the previous PR the draft KV reaches a
 decode of any attention TP head by head, from the last stage alone.
@@ -298,6 +300,20 @@ partitions, the partial sum equal to the single fc, refusals).
             code="""
             # Every PP stage captures its DFLASH features and relays them.
             supports_pp_dflash_capture = True
+            """,
+        ),
+        InsertStatements(
+            "srt/models/llama.py",
+            "LlamaForCausalLM.set_dflash_layers_to_capture",
+            at="start",
+            code="""
+            if layer_ids and max(layer_ids) >= self.config.num_hidden_layers - 1:
+                # Layer L is read at layer L + 1's input: the last layer's output never is.
+                raise ValueError(
+                    f"DFLASH target_layer_ids {list(layer_ids)} include the target's last "
+                    f"layer, whose output {type(self).__name__} does not capture; use "
+                    f"ids below {self.config.num_hidden_layers - 1}."
+                )
             """,
         ),
         InsertStatements(

@@ -13,10 +13,10 @@ KV.
 The partial is kept in fp32: a PP1 server rounds the fc output once, and a bf16 carry
 would round it once per stage. A stage's projection writes fp32 directly on CUDA.
 
-Feature ``L`` is captured where the target reads layer ``L + 1``'s input, so the stage
-holding layer ``L + 1`` captures it (a feature of the last layer, which only some
-targets read at their final norm, is refused). The ids are ascending, so each stage
-captures a run of consecutive features and the last stage's are the trailing ones.
+Feature ``L`` is captured where the target reads layer ``L + 1``'s input (the last
+layer's at the final norm, where a target reads it at all), so the stage holding layer
+``L + 1`` captures it. The ids are ascending, so each stage captures a run of
+consecutive features and the last stage's are the trailing ones.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def feature_stages(
     stages = [get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size)]
     owners = []
     for layer_id in target_layer_ids:
-        read_at = min(layer_id + 1, num_layers - 1)  # the last layer: refused by build
+        read_at = min(layer_id + 1, num_layers - 1)  # the last layer at the final norm
         owners.append(next(s for s, (a, b) in enumerate(stages) if a <= read_at < b))
     return owners
 
@@ -90,11 +90,11 @@ class DFlashPPStage:
         pp_size: int,
     ) -> "DFlashPPStage":
         ids = list(target_layer_ids)
-        if ids != sorted(set(ids)) or not 0 <= ids[0] <= ids[-1] < num_layers - 1:
+        if ids != sorted(set(ids)) or not 0 <= ids[0] <= ids[-1] < num_layers:
             raise ValueError(
                 f"DFLASH with --pp-size {pp_size} needs the draft's "
-                "target_layer_ids ascending, unique and read at a layer's input, "
-                f"below the target's last layer {num_layers - 1}; got {ids}."
+                "target_layer_ids ascending, unique and below the target's "
+                f"{num_layers} layers; got {ids}."
             )
         owners = feature_stages(ids, num_layers, pp_size)
         if owners[-1] != pp_size - 1:

@@ -32,6 +32,9 @@ class TestFeatureStages(unittest.TestCase):
         # PP2 of 8 layers: [0, 4) and [4, 8); layer 3's output is layer 4's input.
         self.assertEqual(feature_stages([2, 3, 6], 8, 2), [0, 1, 1])
 
+    def test_the_last_layer_is_read_at_the_final_norm(self):
+        self.assertEqual(feature_stages([7], 8, 2), [1])
+
     def test_partition_from_the_environment(self):
         with mock.patch.dict(os.environ, {"SGLANG_PP_LAYER_PARTITION": "6,2"}):
             self.assertEqual(feature_stages([2, 3, 6], 8, 2), [0, 0, 1])
@@ -51,8 +54,6 @@ class TestFeatureStages(unittest.TestCase):
             DFlashPPStage.build([5, 1], 8, 0, 2)
         with self.assertRaisesRegex(ValueError, "ascending"):
             DFlashPPStage.build([1, 8], 8, 0, 2)
-        with self.assertRaisesRegex(ValueError, "last layer 7"):
-            DFlashPPStage.build([1, 7], 8, 0, 2)
 
 
 class TestPartialProjection(unittest.TestCase):
