@@ -176,6 +176,10 @@ def test_the_series_unit_tests_pass_on_the_exported_head(exported_series, stub_r
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([stub_root, str(root / "python")]))
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # the tree's bytecode serves b's prefixes too
+    # init_single_process_dist keeps an inherited MASTER_PORT, and this session's own run of
+    # test/registered still listens there: the child picks its own port, as a CI job's does.
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
     done = subprocess.run([PY, "-c", script], cwd=tmp_path, env=env, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
