@@ -344,6 +344,7 @@ FORBIDDEN = {
     "plugin": r"(?i)plugin",
     "stock": r"(?i)\bstock",
     "0.5.23": r"(?<![\d.])0\.5\.23(?!\d)",
+    "os.environ": r"\bos\.(environ|getenv)\b",  # settings go through environ.envs
 }
 
 
@@ -390,6 +391,7 @@ SAMPLES = {
     "plugin": "    # the Plugin did this",
     "stock": "    # as Stock refuses it",
     "0.5.23": "    # since 0.5.23",
+    "os.environ": '    chunk = int(os.environ.get("SGLANG_X", "0"))',
 }
 
 
