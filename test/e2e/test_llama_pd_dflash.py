@@ -40,10 +40,13 @@ import e2e_models as models
 from deployments import Deployment
 from deployment_args import CHUNK, DECODE_ARGS, ROUTER_ARGS, prefill_args, server_args
 from draft_kv_dumps import fp32_draft_kv_tolerance, read_dumps
+from test_kv_checksum import checksum_counts
 
 pytestmark = pytest.mark.slow
 
 MAX_NEW_TOKENS = 24
+CHECKSUM = "--disaggregation-enable-kv-checksum"
+CHECKED = (CHECKSUM, "--enable-metrics")  # a decode that verifies and counts
 PROMPTS = [
     "hello world, this is",
     "The quick brown fox jumps over the lazy dog. " * 4,  # 180 tokens: three chunks of 64
@@ -86,15 +89,15 @@ def deployments(llama):
     decode_env = {"SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": m["dump"]}
     try:
         launch("A", server_args(m["draft"]))
-        launch("P1", server_args(m["draft"], *prefill_args(boot1)), pd=True)
-        launch("P2", server_args(m["draft"], *prefill_args(boot2), "--pp-size", "2"),
+        launch("P1", server_args(m["draft"], *prefill_args(boot1), CHECKSUM), pd=True)
+        launch("P2", server_args(m["draft"], *prefill_args(boot2), "--pp-size", "2", CHECKSUM),
                pd=True, ranks=2,
                env={"SGLANG_DFLASH_PP_TEST_COLLECTIVE_LOG": m["collectives"]["P2"]})
         launch("P3", server_args(m["draft"], *prefill_args(boot3), "--pp-size", "2",
-                                 "--tp-size", "2"), pd=True, ranks=4,
+                                 "--tp-size", "2", CHECKSUM), pd=True, ranks=4,
                env={"SGLANG_DFLASH_PP_TEST_COLLECTIVE_LOG": m["collectives"]["P3"]})
-        launch("D1", server_args(m["draft"], *DECODE_ARGS), pd=True, env=decode_env)
-        launch("D2", server_args(m["draft"], *DECODE_ARGS, "--tp-size", "2"), pd=True,
+        launch("D1", server_args(m["draft"], *DECODE_ARGS, *CHECKED), pd=True, env=decode_env)
+        launch("D2", server_args(m["draft"], *DECODE_ARGS, *CHECKED, "--tp-size", "2"), pd=True,
                ranks=2, env=decode_env)
         routes = {"router-b": ("P1", boot1, "D1"), "router-c": ("P2", boot2, "D1"),
                   "router-d": ("P2", boot2, "D2"), "router-e": ("P3", boot3, "D1")}
@@ -212,6 +215,15 @@ def test_decode_at_tp2_receives_exactly_its_draft_heads(llama, outputs):
             assert all(h[kind].shape[2] == 1 for h in halves)
             side_by_side = torch.cat([h[kind] for h in halves], dim=2)
             assert torch.equal(side_by_side, whole[kind]), (i, kind)
+
+
+def test_every_transfer_is_verified(deployments, outputs):
+    """With the KV checksum on, every request's KV is compared on the decode: P1 -> D1 by
+    upstream's digest (equal layouts), the PP2 and TP2 x PP2 prefills into D1 and the PP2
+    prefill into the TP2 decode by the placement-keyed sums, counted by outcome."""
+    d1 = sum(len(outputs[k][r]) for k in ("b", "c", "e") for r in ("sequential", "parallel"))
+    assert checksum_counts(deployments["D1"]) == {"verified": d1} and d1 == 30
+    assert checksum_counts(deployments["D2"]) == {"verified": len(PROMPTS)}
 
 
 IN_FLIGHT = 64

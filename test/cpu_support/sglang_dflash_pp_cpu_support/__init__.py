@@ -38,9 +38,9 @@ def register() -> None:
         HookRegistry.register(patch.target, patch.hook, HookType(patch.hook_type))
     logger.info("sglang-dflash-pp CPU test support: %d hooks registered", len(PATCHES))
     # Instruments registered only where a test asked for them by their variable.
-    from sglang_dflash_pp_cpu_support import idle_check_trace
+    from sglang_dflash_pp_cpu_support import idle_check_trace, kv_misplacement
 
-    for instrument in (idle_check_trace,):
+    for instrument in (idle_check_trace, kv_misplacement):
         if os.environ.get(instrument.ENV):
             hooks = getattr(instrument, "HOOKS", None) or (
                 (instrument.TARGET, instrument.HOOK, instrument.HOOK_TYPE),)

@@ -269,6 +269,31 @@ def _commit_then_dump(original, self, decode_req, *args, **kwargs):
     return commit_then_dump(original, self, decode_req, *args, **kwargs)
 
 
+# -- 13. disaggregation/checksum.KvChecksumComputer.compute ----------------------------------------
+# Upstream's digest of equal layouts (--disaggregation-enable-kv-checksum) is a JIT CUDA kernel,
+# ``kernels.ops.memory.adler32.adler32_strided_checksum``. For CPU page indices: zlib's Adler-32 of
+# the same items, in the same order, read from the same host addresses. Both PD sides run it, so
+# equal layouts compare as upstream's do; the placement-keyed checksum of the series (other
+# layouts) has its own torch path and is not bypassed.
+
+
+def kv_checksum_on_cpu(original, self, kv_page_indices_gpu, state_indices_gpu=None):
+    if kv_page_indices_gpu.is_cuda:
+        return original(self, kv_page_indices_gpu, state_indices_gpu)
+    import ctypes
+    import zlib
+
+    groups = [(self._kv_data_ptrs, self._kv_item_lens, kv_page_indices_gpu)]
+    if self._state_data_ptrs:
+        groups.append((self._state_data_ptrs, self._state_item_lens, state_indices_gpu))
+    value = 1
+    for ptrs, item_lens, indices in groups:
+        for ptr, item_len in zip(ptrs, item_lens):
+            for i in indices.tolist():
+                value = zlib.adler32(ctypes.string_at(ptr + i * item_len, item_len), value)
+    return value
+
+
 PATCHES = (
     Patch("sglang.srt.arg_groups.speculative_hook._handle_dflash", handle_dflash_on_cpu, "around",
           "declare DFLASH with a CPU draft attention backend for --device cpu"),
@@ -294,6 +319,8 @@ PATCHES = (
           scatter_mamba_states_torch, "around", "torch state scatter after verify on CPU"),
     Patch("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
           _commit_then_dump, "around", "test readout of the decode's transferred draft KV"),
+    Patch("sglang.srt.disaggregation.checksum.KvChecksumComputer.compute",
+          kv_checksum_on_cpu, "around", "Adler-32 of equal-layout KV on CPU"),
 )
 
 

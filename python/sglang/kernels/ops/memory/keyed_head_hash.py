@@ -1,0 +1,177 @@
+"""Per-head sums of KV words, each hashed with the place it belongs to.
+
+A transfer between a prefill and a decode of other TP widths or PP stages moves every
+KV head to another rank, buffer and slot, so a digest keyed on a word's offset in a
+buffer cannot compare across it. Here each 32-bit word is hashed with a key derived
+from what it is (the buffer's key, the token's position in the request, the global
+head index and the word's index in the head's row) and the hashes are added per head.
+Sums add, so the decode rank's expected sum for a head is the sum some prefill rank
+reports for it, whichever buffer or rank either side keeps it in; a word at the wrong
+place is hashed under the wrong key. For one key the word hash is a bijection, so any
+single changed word changes the sum.
+"""
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.kernels.ops.memory.gpu_tensor_hash import FMIX32_C1, FMIX32_C2, _fmix32
+
+POS_MUL = 0x9E3779B1
+PLACE_MUL = 0x85EBCA77
+MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class HeadRows:
+    """A KV buffer as ``[slots, heads, head elements]`` and what its words are."""
+
+    data: torch.Tensor
+    # Identity of the buffer's component, layer and K/V part, 32 bits.
+    key: int
+    # Global index of the buffer's head 0 (TP ranks hold consecutive heads).
+    first_head: int
+
+
+def fmix32_words(x: torch.Tensor) -> torch.Tensor:
+    """The ``_fmix32`` finalizer on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * FMIX32_C1) & MASK32
+    x = x ^ (x >> 13)
+    x = (x * FMIX32_C2) & MASK32
+    return x ^ (x >> 16)
+
+
+def _head_words(data: torch.Tensor) -> torch.Tensor:
+    assert data.dim() == 3 and data.stride(2) == 1, "expects [slots, heads, elements]"
+    assert data.shape[2] * data.element_size() % 4 == 0, "head rows must be whole words"
+    return data.view(torch.int32)
+
+
+def keyed_head_sums_reference(
+    buffers: Sequence[HeadRows], locs: torch.Tensor, first_pos: int
+) -> torch.Tensor:
+    """``[len(buffers), max heads]`` int64: for each buffer and local head, the sum over
+    the tokens at ``locs`` (positions ``first_pos, first_pos + 1, ...``) and the
+    head's words of ``fmix32(word ^ key(buffer, position, global head, word))``."""
+    max_heads = max(b.data.shape[1] for b in buffers)
+    out = torch.zeros(len(buffers), max_heads, dtype=torch.int64, device=locs.device)
+    pos = first_pos + torch.arange(locs.numel(), device=locs.device, dtype=torch.int64)
+    for i, buf in enumerate(buffers):
+        words = _head_words(buf.data)[locs].to(torch.int64) & MASK32
+        heads, num_words = words.shape[1], words.shape[2]
+        head = buf.first_head + torch.arange(heads, device=locs.device)
+        word = torch.arange(num_words, device=locs.device)
+        place = ((head[:, None] << 16) | word[None, :]) * PLACE_MUL & MASK32
+        at = ((pos * POS_MUL) & MASK32) ^ buf.key
+        key = fmix32_words(at[:, None, None] ^ fmix32_words(place)[None])
+        out[i, :heads] = fmix32_words(words ^ key).sum(dim=(0, 2))
+    return out
+
+
+@triton.jit
+def _keyed_head_sums_kernel(
+    base_ptr,
+    table_ptr,
+    loc_ptr,
+    out_ptr,
+    num_tokens,
+    first_pos,
+    FM_C1: tl.constexpr,
+    FM_C2: tl.constexpr,
+    POS_C: tl.constexpr,
+    PLACE_C: tl.constexpr,
+    MAX_HEADS: tl.constexpr,
+    TOKENS: tl.constexpr,
+    WORDS: tl.constexpr,
+):
+    buf = tl.program_id(0)
+    block = tl.program_id(1)
+    # One table row per buffer: word offset from base, slot and head strides in
+    # words, words per head, heads, global head of head 0, key.
+    row = table_ptr + buf * 7
+    offset = tl.load(row)
+    slot_stride = tl.load(row + 1)
+    head_stride = tl.load(row + 2)
+    head_words = tl.load(row + 3)
+    num_heads = tl.load(row + 4)
+    first_head = tl.load(row + 5)
+    buf_key = tl.load(row + 6).to(tl.uint32)
+
+    tok = block * TOKENS + tl.arange(0, TOKENS)
+    tok_mask = tok < num_tokens
+    loc = tl.load(loc_ptr + tok, mask=tok_mask, other=0)
+    pos = (first_pos + tok).to(tl.uint32)
+    at = pos * tl.full((), POS_C, tl.uint32) ^ buf_key
+    word = tl.arange(0, WORDS)
+    for h in tl.static_range(MAX_HEADS):
+        mask = tok_mask[:, None] & (word[None, :] < head_words) & (h < num_heads)
+        addr = offset + loc[:, None] * slot_stride + h * head_stride + word[None, :]
+        v = tl.load(base_ptr + addr, mask=mask, other=0).to(tl.uint32)
+        head = (first_head + h).to(tl.uint32)
+        place = ((head << 16) | word.to(tl.uint32)) * tl.full((), PLACE_C, tl.uint32)
+        key = _fmix32(at[:, None] ^ _fmix32(place, FM_C1, FM_C2)[None, :], FM_C1, FM_C2)
+        term = _fmix32(v ^ key, FM_C1, FM_C2).to(tl.int64)
+        term = tl.where(mask, term, 0)
+        tl.store(
+            out_ptr + (buf * tl.num_programs(1) + block) * MAX_HEADS + h, tl.sum(term)
+        )
+
+
+def keyed_head_table(buffers: Sequence[HeadRows]) -> torch.Tensor:
+    """The kernel's per-buffer parameters, built once for buffers that never move."""
+    base = buffers[0].data.data_ptr()
+    rows = []
+    for buf in buffers:
+        words = _head_words(buf.data)
+        assert (words.data_ptr() - base) % 4 == 0
+        rows.append(
+            [
+                (words.data_ptr() - base) // 4,
+                words.stride(0),
+                words.stride(1),
+                words.shape[2],
+                words.shape[1],
+                buf.first_head,
+                buf.key,
+            ]
+        )
+    return torch.tensor(rows, dtype=torch.int64, device=buffers[0].data.device)
+
+
+def keyed_head_sums(
+    buffers: Sequence[HeadRows],
+    locs: torch.Tensor,
+    first_pos: int,
+    table: torch.Tensor,
+    tokens_per_block: int = 32,
+) -> torch.Tensor:
+    """``keyed_head_sums_reference`` in one launch; ``table`` is
+    ``keyed_head_table(buffers)``. The words of every buffer are addressed from the
+    first buffer's, so all must live on one device."""
+    max_heads = max(b.data.shape[1] for b in buffers)
+    max_words = max(_head_words(b.data).shape[2] for b in buffers)
+    num_tokens = locs.numel()
+    num_blocks = triton.cdiv(max(num_tokens, 1), tokens_per_block)
+    partial = torch.empty(
+        len(buffers), num_blocks, max_heads, dtype=torch.int64, device=locs.device
+    )
+    _keyed_head_sums_kernel[(len(buffers), num_blocks)](
+        _head_words(buffers[0].data),
+        table,
+        locs.to(torch.int64),
+        partial,
+        num_tokens,
+        first_pos,
+        FM_C1=FMIX32_C1,
+        FM_C2=FMIX32_C2,
+        POS_C=POS_MUL,
+        PLACE_C=PLACE_MUL,
+        MAX_HEADS=max_heads,
+        TOKENS=tokens_per_block,
+        WORDS=triton.next_power_of_2(max_words),
+    )
+    return partial.sum(dim=1)

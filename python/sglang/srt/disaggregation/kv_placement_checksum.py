@@ -1,0 +1,189 @@
+"""A KV checksum that compares across TP widths, PP stages and head slices.
+
+`KvChecksumComputer` digests a rank's KV buffers in registration order, so a decode can
+compare only with a prefill of its own layout; any other is admitted unverified. Here
+each side sums its own pools, read through the pool objects and the request's page
+table rather than through transfer descriptors, into one sum per (component, layer,
+K/V part, global head), each word hashed with its position in the request and its
+place in the head (`keyed_head_sums`). A prefill rank reports the sums of every head it
+holds with its transfer status; the decode compares the heads it holds against them.
+So a wrong source buffer, a head on the wrong decode rank, a layer paired with the
+wrong decode layer or a page at the wrong slot each shows as a named mismatch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from sglang.kernels.ops.memory.gpu_tensor_hash import FMIX32_C1
+from sglang.kernels.ops.memory.keyed_head_hash import (
+    MASK32,
+    HeadRows,
+    fmix32_words,
+    keyed_head_sums,
+    keyed_head_sums_reference,
+    keyed_head_table,
+)
+from sglang.srt.mem_cache.memory_pool import (
+    HybridLinearKVPool,
+    KVCache,
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+)
+
+logger = logging.getLogger(__name__)
+
+TARGET_KV, DRAFT_KV = 0, 1
+COMPONENT_NAMES = ("target KV", "draft KV")
+# MHA pools keep K and V apart; an MLA pool keeps one latent per token.
+K, V, LATENT = 0, 1, 2
+PART_NAMES = ("K", "V", "latent")
+# One row per sum: component, layer id, part, global head, sum.
+SUM_COLUMNS = 5
+
+
+def first_kv_head(attn_tp_rank: int, attn_tp_size: int, total_kv_heads: int) -> int:
+    """The global index of a rank's first KV head: ranks hold consecutive heads, and
+    when there are fewer heads than ranks, consecutive ranks hold the same one."""
+    heads_per_rank = max(1, total_kv_heads // attn_tp_size)
+    replicas = max(1, attn_tp_size // total_kv_heads)
+    return attn_tp_rank // replicas * heads_per_rank
+
+
+def _layer_buffers(pool: KVCache) -> List[Tuple[int, int, torch.Tensor]]:
+    """(model layer id, part, [slots, heads, elements]) of each per-layer buffer."""
+    if type(pool) is HybridLinearKVPool:
+        mapping = pool.full_attention_layer_id_mapping
+        layer_ids = sorted(mapping, key=mapping.get)
+        inner = _layer_buffers(pool.full_kv_pool)
+        start = pool.full_kv_pool.start_layer
+        return [(layer_ids[layer - start], part, buf) for layer, part, buf in inner]
+    if type(pool) is MLATokenToKVPool:
+        return [(pool.start_layer + i, LATENT, b) for i, b in enumerate(pool.kv_buffer)]
+    if type(pool) is MHATokenToKVPool and pool.kv_cache_layout == "nhd":
+        return [
+            (pool.start_layer + i, part, buffers[i])
+            for part, buffers in ((K, pool.k_buffer), (V, pool.v_buffer))
+            for i in range(pool.layer_num)
+        ]
+    raise ValueError(
+        f"--disaggregation-enable-kv-checksum cannot digest a {type(pool).__name__} "
+        "across layouts."
+    )
+
+
+def _buffer_key(component: int, layer_id: int, part: int) -> int:
+    """32 bits naming a buffer's component, layer and part (the same on both sides)."""
+    x = torch.tensor([(component << 24) ^ (layer_id << 4) ^ part], dtype=torch.int64)
+    return int(fmix32_words(x * FMIX32_C1 & MASK32))
+
+
+class KvPlacementChecksum:
+    """The sums of this rank's target and draft KV for a request's tokens."""
+
+    def __init__(
+        self,
+        pools: List[Tuple[int, KVCache, int]],
+        attn_tp_rank: int,
+        attn_tp_size: int,
+    ):
+        """``pools``: (component, pool, total KV heads of the component's model)."""
+        self.terms: List[Tuple[int, int, int]] = []
+        self.buffers: List[HeadRows] = []
+        for component, pool, total_heads in pools:
+            for layer_id, part, data in _layer_buffers(pool):
+                if part == LATENT:
+                    first_head = 0  # the same on every rank
+                else:
+                    first_head = first_kv_head(attn_tp_rank, attn_tp_size, total_heads)
+                self.terms.append((component, layer_id, part))
+                self.buffers.append(
+                    HeadRows(data, _buffer_key(component, layer_id, part), first_head)
+                )
+        self.table = (
+            keyed_head_table(self.buffers) if self.buffers[0].data.is_cuda else None
+        )
+
+    def compute(self, locs: torch.Tensor, first_pos: int) -> np.ndarray:
+        """Sums of the tokens at pool slots ``locs``, the first at ``first_pos``:
+        ``[n, SUM_COLUMNS]`` int64 rows of (component, layer, part, head, sum)."""
+        if self.table is not None:
+            sums = keyed_head_sums(self.buffers, locs, first_pos, self.table)
+        else:
+            sums = keyed_head_sums_reference(self.buffers, locs, first_pos)
+        sums = sums.cpu().numpy()
+        rows = []
+        for i, ((component, layer_id, part), buf) in enumerate(
+            zip(self.terms, self.buffers)
+        ):
+            for h in range(buf.data.shape[1]):
+                rows.append((component, layer_id, part, buf.first_head + h, sums[i, h]))
+        return np.array(rows, dtype=np.int64).reshape(-1, SUM_COLUMNS)
+
+
+def encode_sums(rows: np.ndarray) -> bytes:
+    return rows.astype("<i8").tobytes()
+
+
+def decode_sums(payload: bytes) -> np.ndarray:
+    return np.frombuffer(payload, dtype="<i8").reshape(-1, SUM_COLUMNS)
+
+
+def find_mismatches(mine: np.ndarray, reports: Dict[int, bytes]) -> Optional[str]:
+    """What differs between this decode rank's sums and those the prefill ranks
+    reported (prefill rank -> encoded rows), or None when every head it holds was
+    reported and equal."""
+    expected: Dict[Tuple[int, int, int, int], List[Tuple[int, int]]] = {}
+    for rank, payload in sorted(reports.items()):
+        for *key, value in decode_sums(payload).tolist():
+            expected.setdefault(tuple(key), []).append((rank, value))
+    wrong: Dict[Tuple[int, int, int], Tuple[List[int], set]] = {}
+    for *key, value in mine.tolist():
+        reported = expected.get(tuple(key))
+        if reported is not None and all(v == value for _, v in reported):
+            continue
+        heads, ranks = wrong.setdefault(tuple(key[:3]), ([], set()))
+        heads.append(key[3])
+        ranks.update(rank for rank, v in reported or () if v != value)
+    if not wrong:
+        return None
+    parts = []
+    for (component, layer_id, part), (heads, ranks) in sorted(wrong.items()):
+        what = f"{COMPONENT_NAMES[component]} layer {layer_id} {PART_NAMES[part]}"
+        if ranks:
+            source = f"written by prefill rank(s) {sorted(ranks)}"
+        else:
+            source = "reported by no prefill rank"
+        parts.append(f"{what} head(s) {heads} {source}")
+    return "; ".join(parts)
+
+
+def kv_placement_checksum_for(
+    target_pool: KVCache,
+    draft_pool: Optional[KVCache],
+    target_total_heads: int,
+    draft_total_heads: int,
+    attn_tp_rank: int,
+    attn_tp_size: int,
+    has_recurrent_state: bool,
+) -> Optional[KvPlacementChecksum]:
+    """The rank's checksum, or None, said at startup, for pools it cannot digest."""
+    unverified = "Requests from a prefill of another layout are admitted unverified."
+    if has_recurrent_state:
+        logger.warning(
+            "--disaggregation-enable-kv-checksum does not sum recurrent state yet. %s",
+            unverified,
+        )
+        return None
+    pools = [(TARGET_KV, target_pool, target_total_heads)]
+    if draft_pool is not None:
+        pools.append((DRAFT_KV, draft_pool, draft_total_heads))
+    try:
+        return KvPlacementChecksum(pools, attn_tp_rank, attn_tp_size)
+    except ValueError as e:
+        logger.warning("%s %s", e, unverified)
+        return None

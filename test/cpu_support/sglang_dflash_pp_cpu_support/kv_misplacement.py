@@ -1,0 +1,92 @@
+"""Test-only: misplace a transfer's KV on purpose, for the KV checksum to catch.
+
+Enabled by ``SGLANG_DFLASH_PP_TEST_KV_MISPLACEMENT=<file>``. The test writes one word into the
+file before a request and empties it after; while it holds a word, every send or verification
+this process makes is misplaced that way:
+
+- ``swap-source`` (prefill, last PP stage), AROUND ``disaggregation/mooncake/conn.
+  MooncakeKVManager.send_kvcache``: the last two target entries (V of the stage's last two
+  layers, the same size) trade places in ``kv_args.kv_data_ptrs`` for the call, so each layer's
+  V is read from the other's buffer: the wrong-source send of the issue;
+- ``swap-destination`` (prefill, last PP stage), same symbol: the decode's K buffers of the
+  stage's two layers trade places in ``dst_kv_ptrs``, so a layer is paired with the wrong decode
+  layer;
+- ``wrong-head`` (prefill), AROUND ``MooncakeKVManager.send_draft_kvcache_heads``: the heads are
+  chosen for the other decode rank of a TP2 decode, so each rank gets the other's draft head;
+- ``flip-target``, ``flip-draft`` (decode), AROUND ``disaggregation/decode.
+  SchedulerDisaggregationDecodeMixin._verify_kv_checksums``: one bit of layer 0's K (the MLA
+  latent on Kimi-K3) at the request's first received token, after the transfer, before the
+  checksum is compared.
+
+Nothing else changes; with the file empty every call is upstream's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+ENV = "SGLANG_DFLASH_PP_TEST_KV_MISPLACEMENT"
+CONN = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
+
+
+def _asked() -> str:
+    try:
+        with open(os.environ[ENV]) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _last_stage(manager) -> bool:
+    return manager.pp_rank == manager.pp_size - 1
+
+
+def send_kvcache(original, self, session, src_indices, dst_kv_ptrs, *args, **kwargs):
+    asked = _asked()
+    if asked not in ("swap-source", "swap-destination") or not _last_stage(self):
+        return original(self, session, src_indices, dst_kv_ptrs, *args, **kwargs)
+    if asked == "swap-destination":
+        dst_layer_ids = kwargs["dst_layer_ids"]
+        a, b = (dst_layer_ids.index(layer) for layer in self.kv_args.kv_layer_ids[:2])
+        dst_kv_ptrs = list(dst_kv_ptrs)
+        dst_kv_ptrs[a], dst_kv_ptrs[b] = dst_kv_ptrs[b], dst_kv_ptrs[a]
+        return original(self, session, src_indices, dst_kv_ptrs, *args, **kwargs)
+    ptrs = self.kv_args.kv_data_ptrs
+    last = len(ptrs) - self.kv_args.num_draft_entries - 1
+    assert self.kv_args.kv_item_lens[last - 1] == self.kv_args.kv_item_lens[last]
+    ptrs[last - 1], ptrs[last] = ptrs[last], ptrs[last - 1]
+    try:
+        return original(self, session, src_indices, dst_kv_ptrs, *args, **kwargs)
+    finally:
+        ptrs[last - 1], ptrs[last] = ptrs[last], ptrs[last - 1]
+
+
+def send_draft_kvcache_heads(original, self, session, src_indices, info, *args, **kwargs):
+    if _asked() == "wrong-head":
+        info = dataclasses.replace(info, dst_tp_rank=info.dst_tp_rank ^ 1)
+    return original(self, session, src_indices, info, *args, **kwargs)
+
+
+def verify_kv_checksums(original, self, batch):
+    import torch
+
+    asked = _asked()
+    if asked in ("flip-target", "flip-draft"):
+        queue = self.disagg_decode_prealloc_queue
+        pool = queue.token_to_kv_pool if asked == "flip-target" else queue.draft_token_to_kv_pool
+        pool = getattr(pool, "full_kv_pool", pool)
+        layer0 = pool.kv_buffer[0] if hasattr(pool, "kv_buffer") else pool.k_buffer[0]
+        for req in batch.reqs:
+            start = req.kv.cache_protected_len
+            loc = int(self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start])
+            layer0[loc].view(-1).view(torch.uint8)[0] ^= 1
+    return original(self, batch)
+
+
+HOOKS = (
+    (f"{CONN}.send_kvcache", send_kvcache, "around"),
+    (f"{CONN}.send_draft_kvcache_heads", send_draft_kvcache_heads, "around"),
+    ("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin._verify_kv_checksums",
+     verify_kv_checksums, "around"),
+)
