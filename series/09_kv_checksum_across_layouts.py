@@ -54,6 +54,11 @@ Triton kernel equals the reference.
             module=CHECKSUM,
             names=("encode_sums", "kv_placement_checksum_for"),
         ),
+        AddImport(
+            PREFILL,
+            module="sglang.srt.disaggregation.utils",
+            names=("_is_fake_transfer",),
+        ),
         InsertStatements(
             PREFILL,
             "PrefillBootstrapQueue.__init__",
@@ -91,7 +96,7 @@ Triton kernel equals the reference.
             def record_kv_placement_sums(self, req: Req, start_idx: int, end_idx: int):
                 """Sum this rank's KV of the request for its transfer's Success status,
                 which carries the sums to every decode rank this rank writes to."""
-                if self.kv_placement_checksum is None:
+                if self.kv_placement_checksum is None or _is_fake_transfer(req):
                     return
                 event = req.disagg_kv_sender.kv_written_event
                 if event is not None:

@@ -159,6 +159,21 @@ def gpu(reps: int, warmup: int, kernel_dir: str, out: str) -> None:
             if i >= warmup:
                 samples["gpu_us"].append(start.elapsed_time(end) * 1e3)
                 samples["host_us"].append(host_us)
+        # The kernel's tile, for choosing keyed_head_sums' defaults (GPU time only).
+        tiles = {}
+        for tokens, words in ((32, 32), (64, 32), (128, 32), (64, 64), (128, 64)):
+            times = []
+            for i in range(warmup + reps // 5):
+                torch.cuda.synchronize()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                keyed_head_sums(checksum.buffers, locs, 100, checksum.table, tokens, words)
+                end.record()
+                torch.cuda.synchronize()
+                if i >= warmup:
+                    times.append(start.elapsed_time(end) * 1e3)
+            tiles[f"tokens{tokens}_words{words}"] = provenance.summary(times)
         host_ms = statistics.median(samples["host_us"]) / 1e3
         result["sides"][name] = {
             "sums_equal_torch_reference": equal,
@@ -170,6 +185,7 @@ def gpu(reps: int, warmup: int, kernel_dir: str, out: str) -> None:
             "host_us": provenance.summary(samples["host_us"]),
             "digest_GBps": digested / (statistics.median(samples["gpu_us"]) * 1e3),
             "share_of_link": host_ms / link_ms(linked),
+            "gpu_us_by_tile": tiles,
             "samples_us": samples,
         }
     result.update(

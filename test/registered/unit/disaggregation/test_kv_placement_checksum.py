@@ -282,7 +282,9 @@ c = torch.randn(40, 4, 6, generator=g).to(torch.bfloat16)[:, 1:3]
 bufs = [HeadRows(a, 123, 2), HeadRows(b, 0xDEADBEEF, 0), HeadRows(c, 7, 5)]
 locs = torch.tensor([3, 9, 10, 11, 30, 31, 2])
 ref = keyed_head_sums_reference(bufs, locs, 17)
-out = keyed_head_sums(bufs, locs, 17, keyed_head_table(bufs), tokens_per_block=4)
+out = keyed_head_sums(
+    bufs, locs, 17, keyed_head_table(bufs), tokens_per_block=4, words_per_step=2
+)
 assert torch.equal(ref, out), (ref, out)
 assert (ref[:, 0] > 0).all() and ref[1, 1] == 0
 print("equal", ref.tolist())

@@ -80,11 +80,11 @@ def _keyed_head_sums_kernel(
     out_ptr,
     num_tokens,
     first_pos,
+    max_heads,
     FM_C1: tl.constexpr,
     FM_C2: tl.constexpr,
     POS_C: tl.constexpr,
     PLACE_C: tl.constexpr,
-    MAX_HEADS: tl.constexpr,
     TOKENS: tl.constexpr,
     WORDS: tl.constexpr,
 ):
@@ -106,19 +106,22 @@ def _keyed_head_sums_kernel(
     loc = tl.load(loc_ptr + tok, mask=tok_mask, other=0)
     pos = (first_pos + tok).to(tl.uint32)
     at = pos * tl.full((), POS_C, tl.uint32) ^ buf_key
-    word = tl.arange(0, WORDS)
-    for h in tl.static_range(MAX_HEADS):
-        mask = tok_mask[:, None] & (word[None, :] < head_words) & (h < num_heads)
-        addr = offset + loc[:, None] * slot_stride + h * head_stride + word[None, :]
-        v = tl.load(base_ptr + addr, mask=mask, other=0).to(tl.uint32)
+    rows = offset + loc * slot_stride
+    out = out_ptr + (buf * tl.num_programs(1) + block) * max_heads
+    for h in range(num_heads):
         head = (first_head + h).to(tl.uint32)
-        place = ((head << 16) | word.to(tl.uint32)) * tl.full((), PLACE_C, tl.uint32)
-        key = _fmix32(at[:, None] ^ _fmix32(place, FM_C1, FM_C2)[None, :], FM_C1, FM_C2)
-        term = _fmix32(v ^ key, FM_C1, FM_C2).to(tl.int64)
-        term = tl.where(mask, term, 0)
-        tl.store(
-            out_ptr + (buf * tl.num_programs(1) + block) * MAX_HEADS + h, tl.sum(term)
-        )
+        total = tl.zeros((), dtype=tl.int64)
+        for w0 in range(0, head_words, WORDS):
+            word = w0 + tl.arange(0, WORDS)
+            mask = tok_mask[:, None] & (word < head_words)[None, :]
+            addr = rows[:, None] + h * head_stride + word[None, :]
+            v = tl.load(base_ptr + addr, mask=mask, other=0).to(tl.uint32)
+            place = ((head << 16) | word.to(tl.uint32)) * tl.full((), PLACE_C, tl.uint32)
+            place = _fmix32(place, FM_C1, FM_C2)
+            key = _fmix32(at[:, None] ^ place[None, :], FM_C1, FM_C2)
+            term = _fmix32(v ^ key, FM_C1, FM_C2).to(tl.int64)
+            total += tl.sum(tl.where(mask, term, 0))
+        tl.store(out + h, total)
 
 
 def keyed_head_table(buffers: Sequence[HeadRows]) -> torch.Tensor:
@@ -147,16 +150,16 @@ def keyed_head_sums(
     locs: torch.Tensor,
     first_pos: int,
     table: torch.Tensor,
-    tokens_per_block: int = 32,
+    tokens_per_block: int = 64,
+    words_per_step: int = 32,
 ) -> torch.Tensor:
     """``keyed_head_sums_reference`` in one launch; ``table`` is
     ``keyed_head_table(buffers)``. The words of every buffer are addressed from the
     first buffer's, so all must live on one device."""
     max_heads = max(b.data.shape[1] for b in buffers)
-    max_words = max(_head_words(b.data).shape[2] for b in buffers)
     num_tokens = locs.numel()
     num_blocks = triton.cdiv(max(num_tokens, 1), tokens_per_block)
-    partial = torch.empty(
+    partial = torch.zeros(
         len(buffers), num_blocks, max_heads, dtype=torch.int64, device=locs.device
     )
     _keyed_head_sums_kernel[(len(buffers), num_blocks)](
@@ -166,12 +169,12 @@ def keyed_head_sums(
         partial,
         num_tokens,
         first_pos,
+        max_heads,
         FM_C1=FMIX32_C1,
         FM_C2=FMIX32_C2,
         POS_C=POS_MUL,
         PLACE_C=PLACE_MUL,
-        MAX_HEADS=max_heads,
         TOKENS=tokens_per_block,
-        WORDS=triton.next_power_of_2(max_words),
+        WORDS=words_per_step,
     )
     return partial.sum(dim=1)
