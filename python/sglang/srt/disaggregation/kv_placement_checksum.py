@@ -5,8 +5,9 @@ compare only with a prefill of its own layout; any other is admitted unverified.
 each side sums its own pools, read through the pool objects and the request's page
 table rather than through transfer descriptors, into one sum per (component, layer,
 K/V part, global head), each word hashed with its position in the request and its
-place in the head (`keyed_head_sums`). A prefill rank reports the sums of every head it
-holds with its transfer status; the decode compares the heads it holds against them.
+place in the head (`keyed_head_sums`), so a head's sum does not depend on where a side
+keeps it. A prefill rank reports the sums of every head it holds with its transfer
+status; the decode compares each head it holds with the sum its prefill rank reported.
 So a wrong source buffer, a head on the wrong decode rank, a layer paired with the
 wrong decode layer or a page at the wrong slot each shows as a named mismatch.
 """

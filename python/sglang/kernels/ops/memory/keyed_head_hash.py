@@ -4,11 +4,12 @@ A transfer between a prefill and a decode of other TP widths or PP stages moves 
 KV head to another rank, buffer and slot, so a digest keyed on a word's offset in a
 buffer cannot compare across it. Here each 32-bit word is hashed with a key derived
 from what it is (the buffer's key, the token's position in the request, the global
-head index and the word's index in the head's row) and the hashes are added per head.
-Sums add, so the decode rank's expected sum for a head is the sum some prefill rank
-reports for it, whichever buffer or rank either side keeps it in; a word at the wrong
-place is hashed under the wrong key. For one key the word hash is a bijection, so any
-single changed word changes the sum.
+head index and the word's index in the head's row) and the hashes are added per head,
+in any order: both sides get the same sum for a head wherever they keep its words, and
+a word at the wrong place is hashed under the wrong key. Sums are modulo 2**32: for one
+key the word hash is a bijection, so any single changed word changes the sum, and a
+misplacement leaves it equal with probability about 2**-32 per head compared. The key is
+a hash of the position plus a hash of the place in the head: one hash per word.
 """
 
 from dataclasses import dataclass
@@ -54,9 +55,10 @@ def _head_words(data: torch.Tensor) -> torch.Tensor:
 def keyed_head_sums_reference(
     buffers: Sequence[HeadRows], locs: torch.Tensor, first_pos: int
 ) -> torch.Tensor:
-    """``[len(buffers), max heads]`` int64: for each buffer and local head, the sum over
-    the tokens at ``locs`` (positions ``first_pos, first_pos + 1, ...``) and the
-    head's words of ``fmix32(word ^ key(buffer, position, global head, word))``."""
+    """``[len(buffers), max heads]`` int64: for each buffer and local head, the sum
+    modulo 2**32 over the tokens at ``locs`` (positions ``first_pos, first_pos + 1,
+    ...``) and the head's words of ``fmix32(word ^ key(buffer, position, global head,
+    word))``."""
     max_heads = max(b.data.shape[1] for b in buffers)
     out = torch.zeros(len(buffers), max_heads, dtype=torch.int64, device=locs.device)
     pos = first_pos + torch.arange(locs.numel(), device=locs.device, dtype=torch.int64)
@@ -65,10 +67,12 @@ def keyed_head_sums_reference(
         heads, num_words = words.shape[1], words.shape[2]
         head = buf.first_head + torch.arange(heads, device=locs.device)
         word = torch.arange(num_words, device=locs.device)
-        place = ((head[:, None] << 16) | word[None, :]) * PLACE_MUL & MASK32
-        at = ((pos * POS_MUL) & MASK32) ^ buf.key
-        key = fmix32_words(at[:, None, None] ^ fmix32_words(place)[None])
-        out[i, :heads] = fmix32_words(words ^ key).sum(dim=(0, 2))
+        place = fmix32_words(
+            ((head[:, None] << 16) | word[None, :]) * PLACE_MUL & MASK32
+        )
+        at = fmix32_words((pos * POS_MUL & MASK32) ^ buf.key)
+        key = (at[:, None, None] + place[None]) & MASK32
+        out[i, :heads] = fmix32_words(words ^ key).sum(dim=(0, 2)) & MASK32
     return out
 
 
@@ -105,23 +109,24 @@ def _keyed_head_sums_kernel(
     tok_mask = tok < num_tokens
     loc = tl.load(loc_ptr + tok, mask=tok_mask, other=0)
     pos = (first_pos + tok).to(tl.uint32)
-    at = pos * tl.full((), POS_C, tl.uint32) ^ buf_key
+    at = _fmix32(pos * tl.full((), POS_C, tl.uint32) ^ buf_key, FM_C1, FM_C2)
     rows = offset + loc * slot_stride
     out = out_ptr + (buf * tl.num_programs(1) + block) * max_heads
     for h in range(num_heads):
         head = (first_head + h).to(tl.uint32)
-        total = tl.zeros((), dtype=tl.int64)
+        total = tl.zeros((), dtype=tl.uint32)
         for w0 in range(0, head_words, WORDS):
             word = w0 + tl.arange(0, WORDS)
             mask = tok_mask[:, None] & (word < head_words)[None, :]
             addr = rows[:, None] + h * head_stride + word[None, :]
             v = tl.load(base_ptr + addr, mask=mask, other=0).to(tl.uint32)
-            place = ((head << 16) | word.to(tl.uint32)) * tl.full((), PLACE_C, tl.uint32)
+            place = ((head << 16) | word.to(tl.uint32)) * tl.full(
+                (), PLACE_C, tl.uint32
+            )
             place = _fmix32(place, FM_C1, FM_C2)
-            key = _fmix32(at[:, None] ^ place[None, :], FM_C1, FM_C2)
-            term = _fmix32(v ^ key, FM_C1, FM_C2).to(tl.int64)
-            total += tl.sum(tl.where(mask, term, 0))
-        tl.store(out + h, total)
+            term = _fmix32(v ^ (at[:, None] + place[None, :]), FM_C1, FM_C2)
+            total += tl.sum(tl.where(mask, term, 0)).to(tl.uint32)
+        tl.store(out + h, total.to(tl.int64))
 
 
 def keyed_head_table(buffers: Sequence[HeadRows]) -> torch.Tensor:
@@ -150,7 +155,7 @@ def keyed_head_sums(
     locs: torch.Tensor,
     first_pos: int,
     table: torch.Tensor,
-    tokens_per_block: int = 64,
+    tokens_per_block: int = 32,
     words_per_step: int = 32,
 ) -> torch.Tensor:
     """``keyed_head_sums_reference`` in one launch; ``table`` is
@@ -177,4 +182,4 @@ def keyed_head_sums(
         TOKENS=tokens_per_block,
         WORDS=words_per_step,
     )
-    return partial.sum(dim=1)
+    return partial.sum(dim=1) & MASK32
