@@ -27,6 +27,7 @@ import cpu_servers
 import e2e_models as models
 from deployments import Deployment
 from deployment_args import DECODE_ARGS, prefill_args, server_args
+from test_kv_checksum import CHECKSUM, checksum_counts
 
 pytestmark = pytest.mark.slow
 
@@ -45,10 +46,12 @@ def pair(e2e_root, stub_root):
     boot = cpu_servers.free_port()
     try:
         dep.add(cpu_servers.launch_server(
-            "P2", root, target, server_args(draft, *prefill_args(boot), "--pp-size", "2"),
+            "P2", root, target,
+            server_args(draft, *prefill_args(boot), "--pp-size", "2", CHECKSUM),
             stub_root=stub_root, spec=True, pd=True, ranks=2))
         dep.add(cpu_servers.launch_server(
-            "D", root, target, server_args(draft, *DECODE_ARGS), stub_root=stub_root, spec=True,
+            "D", root, target, server_args(draft, *DECODE_ARGS, CHECKSUM, "--enable-metrics"),
+            stub_root=stub_root, spec=True,
             pd=True))
         dep.add(cpu_servers.launch_pd_router("router", root, [(dep["P2"].base_url, boot)],
                                              [dep["D"].base_url]))
@@ -113,3 +116,8 @@ def test_gsm8k_benchmark_reports_real_acceptance_figures(pair, tmp_path):
         assert spec["accept_length_verify_weighted"] == pytest.approx(weighted)
         assert spec["accept_length_per_request_mean"] == pytest.approx(per_request)
         assert spec["requests_with_spec_fields"] == 3 and weighted > 1.3
+
+
+def test_every_transfer_of_the_pair_is_verified(pair):
+    """The prompts above and the benchmark's 3 questions at concurrency 1 and 2."""
+    assert checksum_counts(pair["dep"]["D"]) == {"verified": len(PROMPTS) + 6}

@@ -24,6 +24,7 @@ import pytest
 import cpu_servers
 import e2e_models as models
 from deployment_args import CHUNK, DECODE_ARGS, prefill_args, server_args
+from test_kv_checksum import CHECKSUM, checksum_counts
 from deployments import Deployment
 from draft_kv_dumps import fp32_draft_kv_tolerance, read_dumps
 
@@ -50,10 +51,11 @@ def dummy(e2e_root, stub_root):
     )
     boot1, boot2 = cpu_servers.free_port(), cpu_servers.free_port()
     try:
-        launch("P1", server_args(draft, *prefill_args(boot1), *DUMMY), pd=True)
-        launch("P2", server_args(draft, *prefill_args(boot2), *DUMMY, "--pp-size", "2"),
-               pd=True, ranks=2)
-        launch("D", server_args(draft, *DECODE_ARGS, *DUMMY), pd=True,
+        launch("P1", server_args(draft, *prefill_args(boot1), *DUMMY, CHECKSUM), pd=True)
+        launch("P2", server_args(draft, *prefill_args(boot2), *DUMMY, "--pp-size", "2",
+                                 CHECKSUM), pd=True, ranks=2)
+        launch("D", server_args(draft, *DECODE_ARGS, *DUMMY, CHECKSUM, "--enable-metrics"),
+               pd=True,
                env={"SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": dump})
         for name, p, boot in (("router-b", "P1", boot1), ("router-c", "P2", boot2)):
             dep.add(cpu_servers.launch_pd_router(name, root, [(dep[p].base_url, boot)],
@@ -64,7 +66,7 @@ def dummy(e2e_root, stub_root):
                                        rid=f"{key}-{i}") for i, prompt in enumerate(PROMPTS)]
             for key in ("b", "c")
         }
-        yield {"draft": draft, "dump": dump, "outputs": outputs}
+        yield {"draft": draft, "dump": dump, "outputs": outputs, "dep": dep}
     finally:
         dep.kill()
 
@@ -88,3 +90,8 @@ def test_dummy_weight_pp2_prefill_sends_the_pp1_draft_kv(dummy):
             assert float(ref.abs().max()) > 0  # dummy values are about 1e-3, but not zero
             diff = float((got - ref).abs().max())
             assert diff <= fp32_draft_kv_tolerance(ref), (i, kind, diff)
+
+
+def test_dummy_weight_transfers_are_verified(dummy):
+    transfers = len(dummy["outputs"]["b"]) + len(dummy["outputs"]["c"])
+    assert checksum_counts(dummy["dep"]["D"]) == {"verified": transfers}

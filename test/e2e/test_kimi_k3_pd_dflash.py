@@ -12,15 +12,19 @@ a tiny bf16 DFlash draft. Deployments, real ``launch_server`` processes and the 
 
 Asserted, as for the Llama deployments: greedy tokens (c) == (b) == (a); D's draft KV rows after
 the transfer equal between (b) and (c) within the bf16 bound of :func:`draft_kv_tolerance`; the
-acceptance statistics identical. Slow (about a second per token under the interpreter): few
+acceptance statistics identical; with ``--disaggregation-enable-kv-checksum``, every transfer
+verified (the MLA latent, the draft KV and the KDA state), and a request whose KDA state test
+support flips after the transfer fails naming it, the next one served. Slow (about a second per token under the interpreter): few
 prompts, few tokens, one start per deployment.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
+import requests
 import torch
 
 import cpu_servers
@@ -28,6 +32,7 @@ import e2e_models as models
 from deployments import Deployment
 from deployment_args import DECODE_ARGS, ROUTER_ARGS, prefill_args
 from draft_kv_dumps import read_dumps
+from test_kv_checksum import CHECKSUM, INJECT_ENV, checksum_counts, mismatch_lines
 
 pytestmark = pytest.mark.slow
 
@@ -65,11 +70,15 @@ def k3(e2e_root, stub_root):
             env={**K3_ENV, **(env or {})}, **kw))
 
     boot1, boot2 = cpu_servers.free_port(), cpu_servers.free_port()
+    inject = os.path.join(root, "misplace")
+    os.makedirs(root, exist_ok=True)
+    open(inject, "w").close()
     try:
         launch("A", [])
-        launch("P1", prefill_args(boot1), pd=True)
-        launch("P2", prefill_args(boot2) + ["--pp-size", "2"], pd=True, ranks=2)
-        launch("D", DECODE_ARGS, pd=True, env={"SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": dump})
+        launch("P1", prefill_args(boot1) + [CHECKSUM], pd=True)
+        launch("P2", prefill_args(boot2) + ["--pp-size", "2", CHECKSUM], pd=True, ranks=2)
+        launch("D", DECODE_ARGS + [CHECKSUM, "--enable-metrics"], pd=True,
+               env={"SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": dump, INJECT_ENV: inject})
         for name, (p, boot) in (("router-b", ("P1", boot1)), ("router-c", ("P2", boot2))):
             dep.add(cpu_servers.launch_pd_router(name, root, [(dep[p].base_url, boot)],
                                                  [dep["D"].base_url], ROUTER_ARGS))
@@ -81,7 +90,7 @@ def k3(e2e_root, stub_root):
                   for i, p in enumerate(PROMPTS)]
             for key, url in urls.items()
         }
-        yield {"outputs": outputs, "dump": dump, "dep": dep}
+        yield {"outputs": outputs, "dump": dump, "dep": dep, "inject": inject}
     finally:
         dep.kill()
 
@@ -128,3 +137,32 @@ def test_k3_decode_draft_kv_after_pp2_prefill_equals_pp1_prefill(k3):
             assert float(ref.abs().mean()) > 1e-2
             diff = float((got - ref).abs().max())
             assert diff <= draft_kv_tolerance(ref), (i, kind, diff)
+
+
+def test_k3_every_transfer_is_verified(k3):
+    """P1 -> D by upstream's digest (equal layouts), P2 -> D by the placement-keyed sums of
+    the MLA latent, the draft KV and the KDA state."""
+    transfers = len(k3["outputs"]["b"]) + len(k3["outputs"]["c"])
+    assert checksum_counts(k3["dep"]["D"]) == {"verified": transfers}
+
+
+def test_k3_flipped_state_fails_by_name_and_the_next_is_served(k3):
+    dep, router = k3["dep"], k3["dep"]["router-c"].base_url
+    seen = len(mismatch_lines(dep["D"]))
+    with open(k3["inject"], "w") as f:
+        f.write("flip-state")
+    try:
+        body = {"text": PROMPTS[1], "rid": "k3-flip-state",
+                "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0}}
+        response = requests.post(router + "/generate", json=body, timeout=600)
+    finally:
+        open(k3["inject"], "w").close()
+    assert response.status_code != 200, response.text[:500]
+    new = [line for line in mismatch_lines(dep["D"])[seen:] if "req=k3-flip-state " in line]
+    assert len(new) == 1 and re.search(
+        r"recurrent state layer \d+ tensor \d+ channel\(s\) \[0\] written by prefill "
+        r"rank\(s\) \[0\]$", new[0]), new
+    again = cpu_servers.generate(router, PROMPTS[1], MAX_NEW_TOKENS, rid="k3-after-flip")
+    assert again["output_ids"] == k3["outputs"]["c"][1]["output_ids"]
+    transfers = len(k3["outputs"]["b"]) + len(k3["outputs"]["c"])
+    assert checksum_counts(dep["D"]) == {"verified": transfers + 1, "failed": 1}

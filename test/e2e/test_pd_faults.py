@@ -62,6 +62,7 @@ import cpu_servers
 import deployments
 import e2e_models as models
 from deployment_args import CHUNK, DECODE_ARGS, prefill_args, server_args
+from test_kv_checksum import CHECKSUM, checksum_counts
 from deployments import Deployment
 
 pytestmark = pytest.mark.slow
@@ -124,9 +125,10 @@ def fx(e2e_root, stub_root):
                                   pd=True, ranks=2, **kw)
     )
     try:
-        p = launch("P", server_args(draft, *prefill_args(f.boot), "--pp-size", "2"),
+        p = launch("P", server_args(draft, *prefill_args(f.boot), "--pp-size", "2", CHECKSUM),
                    env={**STRICT_IDLE, "SGLANG_DFLASH_PP_TEST_IDLE_CHECK_DIR": f.idle["P"]})
-        d = launch("D", server_args(draft, *DECODE_ARGS, "--tp-size", "2"),
+        d = launch("D", server_args(draft, *DECODE_ARGS, "--tp-size", "2", CHECKSUM,
+                                    "--enable-metrics"),
                    env={**STRICT_IDLE, "SGLANG_DFLASH_PP_TEST_IDLE_CHECK_DIR": f.idle["D"],
                         "SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": f.dump})
         f.dep.add(cpu_servers.launch_pd_router("R", root, [(p.base_url, f.boot)], [d.base_url],
@@ -263,8 +265,11 @@ def assert_reference_again(fx: Faults, reference: dict, key: str, rid: str):
     """P's cache flushed, the reference prompt once more (sent once): the reference tokens, and
     D's draft KV rows on both ranks byte-equal to the reference's."""
     flush(fx)
+    before = checksum_counts(fx.dep["D"]).get("verified", 0)
     r = post_once(fx.router, REFERENCE[key], rid)
     assert r["status"] == 200, f"{rid} failed: {r}{fx.tails()}"
+    # the KV checksum verified its transfer, and nothing failed or went unverified
+    assert checksum_counts(fx.dep["D"]) == {"verified": before + 1}, rid
     out = json.loads(r["text"])
     assert out["output_ids"] == reference[key]["output_ids"], (
         f"{rid}: {out['output_ids']} != reference {reference[key]['output_ids']}{fx.tails()}")

@@ -13,10 +13,10 @@ this process makes is misplaced that way:
   layer;
 - ``wrong-head`` (prefill), AROUND ``MooncakeKVManager.send_draft_kvcache_heads``: the heads are
   chosen for the other decode rank of a TP2 decode, so each rank gets the other's draft head;
-- ``flip-target``, ``flip-draft`` (decode), AROUND ``disaggregation/decode.
+- ``flip-target``, ``flip-draft``, ``flip-state`` (decode), AROUND ``disaggregation/decode.
   SchedulerDisaggregationDecodeMixin._verify_kv_checksums``: one bit of layer 0's K (the MLA
-  latent on Kimi-K3) at the request's first received token, after the transfer, before the
-  checksum is compared.
+  latent on Kimi-K3) at the request's first received token, or of the first state layer's
+  temporal state in the request's slot, after the transfer, before the checksum is compared.
 
 Nothing else changes; with the file empty every call is upstream's.
 """
@@ -72,6 +72,12 @@ def verify_kv_checksums(original, self, batch):
     import torch
 
     asked = _asked()
+    if asked == "flip-state":
+        mamba_pool = self.disagg_decode_prealloc_queue.token_to_kv_pool.mamba_pool
+        for req in batch.reqs:
+            slot = int(self.req_to_token_pool.req_index_to_mamba_index_mapping[
+                req.kv.req_pool_idx])
+            mamba_pool.mamba_cache.temporal[0, slot].view(-1).view(torch.uint8)[0] ^= 1
     if asked in ("flip-target", "flip-draft"):
         queue = self.disagg_decode_prealloc_queue
         pool = queue.token_to_kv_pool if asked == "flip-target" else queue.draft_token_to_kv_pool

@@ -38,8 +38,8 @@ from sglang.srt.mem_cache.memory_pool import (
 
 logger = logging.getLogger(__name__)
 
-TARGET_KV, DRAFT_KV = 0, 1
-COMPONENT_NAMES = ("target KV", "draft KV")
+TARGET_KV, DRAFT_KV, STATE = 0, 1, 2
+COMPONENT_NAMES = ("target KV", "draft KV", "recurrent state")
 # MHA pools keep K and V apart; an MLA pool keeps one latent per token.
 K, V, LATENT = 0, 1, 2
 PART_NAMES = ("K", "V", "latent")
@@ -83,8 +83,20 @@ def _buffer_key(component: int, layer_id: int, part: int) -> int:
     return int(fmix32_words(x * FMIX32_C1 & MASK32))
 
 
+def _state_rows(state: torch.Tensor, slice_axis: Optional[int]) -> torch.Tensor:
+    """A request's state as ``[1, channels, words]``: the channels TP shards it by
+    first (one, for state every rank holds whole), 16- and 8-bit elements widened."""
+    state = state.unsqueeze(0) if slice_axis is None else state.movedim(slice_axis, 0)
+    state = state.contiguous()
+    if state.element_size() < 4:
+        narrow = torch.int16 if state.element_size() == 2 else torch.uint8
+        state = state.view(narrow).to(torch.int32)
+    return state.reshape(1, state.shape[0], -1)
+
+
 class KvPlacementChecksum:
-    """The sums of this rank's target and draft KV for a request's tokens."""
+    """The sums of this rank's target and draft KV for a request's tokens, and of its
+    recurrent state (one slot per request) where the target has one."""
 
     def __init__(
         self,
@@ -108,21 +120,50 @@ class KvPlacementChecksum:
         self.table = (
             keyed_head_table(self.buffers) if self.buffers[0].data.is_cuda else None
         )
+        # (layer id, ordinal in the layer, [slots, ...] state, TP slice axis)
+        self.states = []
+        self.attn_tp_rank = attn_tp_rank
+        target_pool = pools[0][1]
+        if type(target_pool) is HybridLinearKVPool:
+            ordinals: Dict[int, int] = {}
+            entries = target_pool.mamba_pool.iter_transfer_state_entries()
+            for _, state, slice_axis, layer_id in entries:
+                ordinals[layer_id] = ordinals.get(layer_id, -1) + 1
+                self.states.append((layer_id, ordinals[layer_id], state, slice_axis))
 
-    def compute(self, locs: torch.Tensor, first_pos: int) -> np.ndarray:
-        """Sums of the tokens at pool slots ``locs``, the first at ``first_pos``:
-        ``[n, SUM_COLUMNS]`` int64 rows of (component, layer, part, head, sum)."""
+    def compute(
+        self,
+        locs: torch.Tensor,
+        first_pos: int,
+        state_slot: Optional[torch.Tensor] = None,
+    ) -> np.ndarray:
+        """Sums of the tokens at pool slots ``locs``, the first at ``first_pos``, and of
+        the state at ``state_slot``: ``[n, SUM_COLUMNS]`` int64 rows of (component,
+        layer, part, head or state channel, sum)."""
+        terms, buffers = list(self.terms), list(self.buffers)
         if self.table is not None:
-            sums = keyed_head_sums(self.buffers, locs, first_pos, self.table)
+            sums = [keyed_head_sums(buffers, locs, first_pos, self.table)]
         else:
-            sums = keyed_head_sums_reference(self.buffers, locs, first_pos)
-        sums = sums.cpu().numpy()
+            sums = [keyed_head_sums_reference(buffers, locs, first_pos)]
+        if self.states:
+            states = []
+            for layer_id, part, state, slice_axis in self.states:
+                rows = _state_rows(state[int(state_slot)], slice_axis)
+                first = 0 if slice_axis is None else self.attn_tp_rank * rows.shape[1]
+                terms.append((STATE, layer_id, part))
+                states.append(HeadRows(rows, _buffer_key(STATE, layer_id, part), first))
+            slot = torch.zeros(1, dtype=torch.int64, device=locs.device)
+            if self.table is not None:
+                table = keyed_head_table(states)
+                sums.append(keyed_head_sums(states, slot, 0, table))
+            else:
+                sums.append(keyed_head_sums_reference(states, slot, 0))
+            buffers += states
         rows = []
-        for i, ((component, layer_id, part), buf) in enumerate(
-            zip(self.terms, self.buffers)
-        ):
+        sum_rows = [row for s in sums for row in s.cpu().tolist()]
+        for (component, layer_id, part), buf, sum_row in zip(terms, buffers, sum_rows):
             for h in range(buf.data.shape[1]):
-                rows.append((component, layer_id, part, buf.first_head + h, sums[i, h]))
+                rows.append((component, layer_id, part, buf.first_head + h, sum_row[h]))
         return np.array(rows, dtype=np.int64).reshape(-1, SUM_COLUMNS)
 
 
@@ -154,12 +195,16 @@ def find_mismatches(mine: np.ndarray, reports: Dict[int, bytes]) -> Optional[str
         return None
     parts = []
     for (component, layer_id, part), (heads, ranks) in sorted(wrong.items()):
-        what = f"{COMPONENT_NAMES[component]} layer {layer_id} {PART_NAMES[part]}"
+        if component == STATE:
+            what = f"recurrent state layer {layer_id} tensor {part} channel(s)"
+        else:
+            what = f"{COMPONENT_NAMES[component]} layer {layer_id} {PART_NAMES[part]}"
+            what += " head(s)"
         if ranks:
             source = f"written by prefill rank(s) {sorted(ranks)}"
         else:
             source = "reported by no prefill rank"
-        parts.append(f"{what} head(s) {heads} {source}")
+        parts.append(f"{what} {heads} {source}")
     return "; ".join(parts)
 
 
@@ -170,21 +215,15 @@ def kv_placement_checksum_for(
     draft_total_heads: int,
     attn_tp_rank: int,
     attn_tp_size: int,
-    has_recurrent_state: bool,
 ) -> Optional[KvPlacementChecksum]:
     """The rank's checksum, or None, said at startup, for pools it cannot digest."""
-    unverified = "Requests from a prefill of another layout are admitted unverified."
-    if has_recurrent_state:
-        logger.warning(
-            "--disaggregation-enable-kv-checksum does not sum recurrent state yet. %s",
-            unverified,
-        )
-        return None
     pools = [(TARGET_KV, target_pool, target_total_heads)]
     if draft_pool is not None:
         pools.append((DRAFT_KV, draft_pool, draft_total_heads))
     try:
         return KvPlacementChecksum(pools, attn_tp_rank, attn_tp_size)
     except ValueError as e:
-        logger.warning("%s %s", e, unverified)
+        logger.warning(
+            "%s Requests from a prefill of another layout are admitted unverified.", e
+        )
         return None

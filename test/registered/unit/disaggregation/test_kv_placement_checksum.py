@@ -13,6 +13,7 @@ import itertools
 import os
 import subprocess
 import sys
+import types
 import unittest
 
 import torch
@@ -27,6 +28,7 @@ from sglang.srt.disaggregation.kv_placement_checksum import (
 )
 from sglang.srt.mem_cache.memory_pool import (
     HybridLinearKVPool,
+    MambaPool,
     MHATokenToKVPool,
     MLATokenToKVPool,
 )
@@ -244,8 +246,10 @@ class TestKvPlacementChecksum(unittest.TestCase):
                 mla.kv_buffer[i][slots] = latent[i, FIRST_POS:]
             if corrupt:
                 mla.kv_buffer[1][slots[0], 0, 0] += 1
+            mamba = object.__new__(MambaPool)
+            mamba.mamba_cache, mamba._slot_siblings = types.SimpleNamespace(), []
             hybrid = object.__new__(HybridLinearKVPool)
-            hybrid.full_kv_pool = mla
+            hybrid.full_kv_pool, hybrid.mamba_pool = mla, mamba
             hybrid.full_attention_layer_id_mapping = {1: 0, 3: 1}
             return hybrid
 
@@ -268,6 +272,73 @@ class TestKvPlacementChecksum(unittest.TestCase):
                 )
             else:
                 self.assertIsNone(mismatch)
+
+    def test_recurrent_state_of_a_hybrid_model(self):
+        """Kimi-K3's shape: a conv state ``[K - 1, channels]`` sharded on its second
+        axis and a temporal state ``[heads, k, v]`` sharded on its first, one slot per
+        request; a prefill of TP2 x PP2 (a full-attention layer and a state layer per
+        stage) against a decode of TP1, then one flipped byte and a wrong slot."""
+        g = torch.Generator().manual_seed(9)
+        conv = torch.randn(4, 3, 8, generator=g).to(torch.bfloat16)  # [layer, K-1, ch]
+        temporal = torch.randn(4, 4, 2, 2, generator=g)  # [layer, heads, k, v]
+        latent = torch.randn(4, FIRST_POS + TOKENS, 1, 8, generator=g)
+
+        def pool(mla_layers, state_layers, rank, tp, slots, state_slot):
+            mla = object.__new__(MLATokenToKVPool)
+            mla.start_layer = 0
+            mla.kv_buffer = [torch.zeros(SLOTS, 1, 8) for _ in mla_layers]
+            for i, layer in enumerate(mla_layers):
+                mla.kv_buffer[i][slots] = latent[layer, FIRST_POS:]
+            channels, heads = 8 // tp, 4 // tp
+            mamba = object.__new__(MambaPool)
+            mamba.mamba_layer_ids = list(state_layers)
+            mamba.conv_slice_axis = 1
+            mamba._slot_siblings = []
+            mamba.mamba_cache = types.SimpleNamespace(
+                conv=[torch.zeros(len(state_layers), 4, 3, channels, dtype=conv.dtype)],
+                temporal=torch.zeros(len(state_layers), 4, heads, 2, 2),
+            )
+            for i, layer in enumerate(state_layers):
+                cols = slice(rank * channels, (rank + 1) * channels)
+                mamba.mamba_cache.conv[0][i, state_slot] = conv[layer][:, cols]
+                rows = slice(rank * heads, (rank + 1) * heads)
+                mamba.mamba_cache.temporal[i, state_slot] = temporal[layer][rows]
+            hybrid = object.__new__(HybridLinearKVPool)
+            hybrid.full_kv_pool, hybrid.mamba_pool = mla, mamba
+            hybrid.full_attention_layer_id_mapping = {
+                layer: i for i, layer in enumerate(mla_layers)
+            }
+            return KvPlacementChecksum([(TARGET_KV, hybrid, 1)], rank, tp), hybrid
+
+        reports = {}
+        for stage, rank in itertools.product(range(2), range(2)):
+            slots = slots_for(300 + 2 * stage + rank)
+            checksum, _ = pool([2 * stage + 1], [2 * stage], rank, 2, slots, 1 + rank)
+            slot = torch.tensor([1 + rank])
+            rows = checksum.compute(slots, FIRST_POS, slot)
+            reports[2 * stage + rank] = encode_sums(rows)
+        slots = slots_for(400)
+        checksum, hybrid = pool([1, 3], [0, 2], 0, 1, slots, 3)
+        self.assertIsNone(
+            find_mismatches(
+                checksum.compute(slots, FIRST_POS, torch.tensor([3])), reports
+            )
+        )
+        temporal_layer_2 = hybrid.mamba_pool.mamba_cache.temporal[1, 3]
+        temporal_layer_2.view(-1).view(torch.uint8)[9] ^= 0x01  # head 0
+        mismatch = find_mismatches(
+            checksum.compute(slots, FIRST_POS, torch.tensor([3])), reports
+        )
+        self.assertEqual(
+            mismatch,
+            "recurrent state layer 2 tensor 1 channel(s) [0] written by prefill rank(s) [2]",
+        )
+        mismatch = find_mismatches(
+            checksum.compute(slots, FIRST_POS, torch.tensor([2])), reports
+        )  # another request's slot
+        self.assertIn(
+            "recurrent state layer 0 tensor 0 channel(s) [0, 1, 2, 3, 4", mismatch
+        )
 
     def test_triton_kernel_equals_reference(self):
         """The CUDA path, run by the Triton interpreter on CPU."""
