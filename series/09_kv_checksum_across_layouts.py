@@ -85,6 +85,8 @@ reference (Triton interpreter).
             after="_init_kv_manager",
             code='''
             def _init_kv_placement_checksum(self):
+                """What this rank sums of a request: its target KV, the DFLASH draft KV
+                when it sends it, and the recurrent state of a hybrid target."""
                 kv_args = self.kv_manager.kv_args
                 draft_pool = self.draft_token_to_kv_pool
                 draft_heads = 0
@@ -103,8 +105,12 @@ reference (Triton interpreter).
                 )
 
             def record_kv_placement_sums(
-                self, req: Req, start_idx: int, end_idx: int, state_indices
-            ):
+                self,
+                req: Req,
+                start_idx: int,
+                end_idx: int,
+                state_indices: Optional[torch.Tensor],
+            ) -> None:
                 """Sum this rank's KV of the request for its transfer's Success status,
                 which carries the sums to every decode rank this rank writes to."""
                 if self.kv_placement_checksum is None or _is_fake_transfer(req):

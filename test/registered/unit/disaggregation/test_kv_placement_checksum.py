@@ -331,7 +331,8 @@ class TestKvPlacementChecksum(unittest.TestCase):
         )
         self.assertEqual(
             mismatch,
-            "recurrent state layer 2 tensor 1 channel(s) [0] written by prefill rank(s) [2]",
+            "recurrent state layer 2 tensor 1 channel(s) [0] "
+            "written by prefill rank(s) [2]",
         )
         mismatch = find_mismatches(
             checksum.compute(slots, FIRST_POS, torch.tensor([2])), reports
