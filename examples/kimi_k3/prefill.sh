@@ -37,8 +37,10 @@ ARGS=(
     # the draft KV head by head to a decode of another TP (P TP4 = 2 draft KV heads/rank,
     # D TP32 = 1 head/rank).
     --disaggregation-transfer-backend mooncake
-    # No --disaggregation-enable-kv-checksum: the series does not extend it, and sglang's digest
-    # skips every transfer from a PP prefill or to another attention TP (admitted unverified).
+    # Sum each request's KV, KDA state and draft KV per layer and head at its last chunk and
+    # send the sums with the transfer status, for D to verify. Also on D. About 0.2 ms per
+    # 8192-token chunk on a last-stage GPU (2% of its link time at 50 GB/s).
+    --disaggregation-enable-kv-checksum
     # KV bootstrap port (8998 is also the default); the router's --prefill entry must name it.
     --disaggregation-bootstrap-port "$P_BOOTSTRAP_PORT"
     # Prefill in chunks of 8192 tokens (per PP micro-batch).

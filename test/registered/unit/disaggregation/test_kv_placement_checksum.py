@@ -99,11 +99,11 @@ class TestKvPlacementChecksum(unittest.TestCase):
         cls.kv = {h: logical_kv(TARGET_LAYERS, h, h) for h in HEAD_COUNTS}
         cls.draft = {h: logical_kv(DRAFT_LAYERS, h, 100 + h) for h in HEAD_COUNTS}
 
-    def prefill_reports(self, tp: int, heads: int):
+    def prefill_reports(self, tp: int, heads: int, stages=PP_STAGES):
         """Sums of every prefill rank (PP2 x tp), keyed by a unique rank id."""
         reports = {}
         for (stage, (start, end)), rank in itertools.product(
-            enumerate(PP_STAGES), range(tp)
+            enumerate(stages), range(tp)
         ):
             mine = head_range(rank, tp, heads)
             slots = slots_for(1000 * stage + rank)
@@ -114,7 +114,7 @@ class TestKvPlacementChecksum(unittest.TestCase):
                     heads,
                 )
             ]
-            if stage == len(PP_STAGES) - 1:
+            if stage == len(stages) - 1:
                 draft = Rank(self.draft[heads], range(DRAFT_LAYERS), mine, slots)
                 pools.append((DRAFT_KV, draft.pool(), heads))
             checksum = KvPlacementChecksum(pools, rank, tp)
@@ -149,6 +149,18 @@ class TestKvPlacementChecksum(unittest.TestCase):
                         self.assertIsNone(mismatch, (p_tp, d_tp, heads, d_rank))
                     layouts += 1
         self.assertEqual(layouts, 245)
+
+    def test_every_pp_split_compares_equal(self):
+        """The target's 3 layers over 1, 2 or 3 stages, the draft on the last."""
+        splits = [((0, 3),), PP_STAGES, ((0, 1), (1, 2), (2, 3))]
+        for stages, p_tp, d_tp, heads in itertools.product(
+            splits, (1, 4), (1, 8), (2, 8)
+        ):
+            reports = self.prefill_reports(p_tp, heads, stages)
+            for d_rank in range(d_tp):
+                checksum, slots, *_ = self.decode_rank(d_rank, d_tp, heads)
+                mismatch = find_mismatches(checksum.compute(slots, FIRST_POS), reports)
+                self.assertIsNone(mismatch, (stages, p_tp, d_tp, heads, d_rank))
 
     def assert_named(self, mutate, expected: str, p_tp=2, d_tp=4, heads=8, d_rank=1):
         reports = self.prefill_reports(p_tp, heads)
