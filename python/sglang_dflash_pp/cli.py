@@ -3,6 +3,9 @@
 * ``check``: resolve a DFLASH prefill's launch arguments with the patched tree's real
   ``ServerArgs`` and report what each PP stage and each decode rank will do, or why startup
   would refuse it.
+* ``acceptance``: compare a deployment's speculative acceptance with a reference's, position
+  by position, through their public ``/generate``.
+* ``check-draft``: check a DFlash draft's config and tokenizer against its target's.
 * ``export-patches``: write the series as commits onto an sglang tree (``git am``-able).
 * ``install``: apply the series to the sglang installed in this environment.
 
@@ -18,7 +21,9 @@ import sys
 from typing import List, Optional
 
 COMMANDS = {
+    "acceptance": "sglang_dflash_pp.tools.acceptance_command",
     "check": "sglang_dflash_pp.tools.check_command",
+    "check-draft": "sglang_dflash_pp.tools.draft_target_command",
     "export-patches": "sglang_dflash_pp.patch_series.export_command",
     "install": "sglang_dflash_pp.patch_series.install_command",
 }

@@ -85,6 +85,24 @@ def _plan(rep: dict, record, inputs: CheckInputs) -> None:
             target_layer_ids=list(aux.dflash_target_layer_ids))
         _stages(rep, int(resolved["pp_size"]), target, model_cls, draft)
         _draft_kv(rep, record, resolved, draft, inputs)
+        _draft_against_target(rep, resolved, target)
+
+
+def _draft_against_target(rep: dict, resolved: dict, target) -> None:
+    """The static draft/target checks (``draft_target.check_draft``) on the two checkpoints."""
+    from sglang_dflash_pp.tools.draft_target import as_dicts, check_draft
+
+    findings = check_draft(
+        resolved["model_path"], resolved["speculative_draft_model_path"],
+        tokenizer_path=resolved.get("tokenizer_path"),
+        num_draft_tokens=resolved.get("speculative_num_draft_tokens"),
+        context_length=int(target.context_len), pp_size=int(resolved["pp_size"]),
+        trust_remote_code=bool(resolved.get("trust_remote_code")),
+    )
+    rep["draft_target"] = as_dicts(findings)
+    for f in findings:
+        if f.refused:
+            refuse(rep, f"draft against target: {f.check}", f.message)
 
 
 def _stages(rep: dict, pp: int, target, model_cls, draft) -> None:

@@ -19,6 +19,11 @@ def render(rep: dict) -> str:
         out += _stages(rep)
     if "draft_kv" in rep:
         out += _draft_kv(rep["draft_kv"], rep["draft"])
+    if "draft_target" in rep:
+        from sglang_dflash_pp.tools.draft_target import Finding, render as findings
+
+        out += ["", "Draft against target (configs and tokenizers):"]
+        out += findings([Finding(**f) for f in rep["draft_target"]])
     out.append("")
     if rep["accepted"]:
         out.append("Refusals: none. Startup would accept this deployment.")
