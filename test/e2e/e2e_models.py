@@ -112,6 +112,47 @@ def write_dflash_draft(path: str, *, kv_heads: int = 2, seed: int = 1,
     return path
 
 
+def write_disagreeing_draft(path: str) -> str:
+    """A draft for the cycling target that proposes token 3 at every block position, a token
+    the target never outputs: its acceptance is 0 wherever the constructed draft's is 1/2.
+
+    The draft's proposals are the target's LM head (logits of tokens 0, 1, 2 = hidden dims 2,
+    0, 1; every other token 0) over its final hidden state. Here a block position's residual is
+    its token's embedding (one-hot dim 2 for the mask token) plus the first layer's attention
+    output: the context is zeroed (fc = 0), queries are 0 (uniform attention), every block
+    token's value is the same positive vector, and o_proj writes it negatively into dims 0 and
+    1; the other layers and every MLP add nothing. The final norm's weight is -1 on dim 2. So tokens 0, 1, 2 get negative logits and
+    argmax is the first token at 0: token 3."""
+    from safetensors.torch import save_file
+
+    config = draft_config()
+    tensors = draft_tensors(config, seed=3)
+    hd = config["head_dim"]
+    tensors["fc.weight"].zero_()
+    tensors["norm.weight"] = torch.ones(HIDDEN)
+    tensors["norm.weight"][2] = -1.0
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        tensors[p + "self_attn.q_proj.weight"].zero_()
+        tensors[p + "mlp.down_proj.weight"].zero_()
+        tensors[p + "input_layernorm.weight"] = torch.ones(HIDDEN)
+        v = torch.zeros_like(tensors[p + "self_attn.v_proj.weight"])
+        o = torch.zeros_like(tensors[p + "self_attn.o_proj.weight"])
+        if i == 0:  # the later layers add nothing
+            v[0, :CYCLE] = 1.0  # KV head 0, element 0: the same for every one-hot embedding
+            for h in range(config["num_attention_heads"]):  # query heads of KV head 0
+                if h * config["num_key_value_heads"] // config["num_attention_heads"] == 0:
+                    o[0, h * hd] = o[1, h * hd] = -1.0
+        tensors[p + "self_attn.v_proj.weight"] = v
+        tensors[p + "self_attn.o_proj.weight"] = o
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              os.path.join(path, "model.safetensors"))
+    return path
+
+
 def write_draft_config_only(path: str, **config_kw) -> str:
     """The draft directory an operator has before the weights: ``config.json`` alone."""
     os.makedirs(path, exist_ok=True)

@@ -13,8 +13,8 @@ D = DFLASH decode -> the real router. Also the GSM8K benchmark client
 (``benchmark/gsm8k/bench_dflash_pd.py``) against it: its acceptance figures come from a real
 DFLASH run and must equal the closed form. And ``sglang-dflash-pp acceptance`` comparing it with
 a non-PD server ``A`` of the same pair (verdict equal, the closed form's figures), and ``A``
-with a server ``B`` whose draft is not the one built for this target (a random draft, never
-accepted): verdict drop, first parting at draft position 1.
+with a server ``B`` whose draft never agrees with the target (``write_disagreeing_draft``):
+verdict drop, first parting at draft position 1.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def pair(e2e_root, stub_root):
             pd=True))
         dep.add(cpu_servers.launch_pd_router("router", root, [(dep["P2"].base_url, boot)],
                                              [dep["D"].base_url]))
-        wrong = models.write_dflash_draft(os.path.join(root, "wrong_draft"), seed=7)
+        wrong = models.write_disagreeing_draft(os.path.join(root, "wrong_draft"))
         for name, d in (("A", draft), ("B", wrong)):
             dep.add(cpu_servers.launch_server(name, root, target, server_args(d),
                                               stub_root=stub_root, spec=True))
@@ -130,14 +130,20 @@ def test_every_transfer_of_the_pair_is_verified(pair):
     assert checksum_counts(pair["dep"]["D"]) == {"verified": len(PROMPTS) + 6}
 
 
+# Enough verify steps (about 250 per deployment) for the test to see a rate of 1/2 against 1/3.
+TOOL_PROMPTS = PROMPTS + ["Numbers: 1 2 3", "zz"]
+TOOL_NEW_TOKENS = 64
+
+
 def _acceptance(url_ref: str, url_dep: str, tmp_path, name: str):
     from sglang_dflash_pp.cli import main
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS))
+    prompts.write_text("".join(json.dumps({"text": p}) + "\n" for p in TOOL_PROMPTS))
     out = tmp_path / name
     code = main(["acceptance", "--reference", url_ref, "--deployment", url_dep, "--prompts",
-                 str(prompts), "--max-new-tokens", str(MAX_NEW_TOKENS), "--out", str(out)])
+                 str(prompts), "--max-new-tokens", str(TOOL_NEW_TOKENS), "--parallel", "2",
+                 "--out", str(out)])
     return code, json.load(open(out / "report.json")), out
 
 
@@ -146,10 +152,11 @@ def test_acceptance_tool_finds_a_pp2_pd_deployment_equal_to_non_pd(pair, tmp_pat
     code, report, out = _acceptance(dep["A"].base_url, dep["router"].base_url, tmp_path, "pd")
     printed = capsys.readouterr().out
     assert code == 0 and report["comparison"]["verdict"] == "equal", printed
-    assert report["outputs_equal"] == len(PROMPTS)
+    assert report["outputs_equal"] == len(TOOL_PROMPTS)
     tok = _tokenizer(pair["target"])
     steps = [models.verify_steps(models.cycling_output(
-        tok(p, add_special_tokens=False)["input_ids"][-1], MAX_NEW_TOKENS)) for p in PROMPTS]
+        tok(p, add_special_tokens=False)["input_ids"][-1], TOOL_NEW_TOKENS))
+        for p in TOOL_PROMPTS]
     expected_hist = [0] * models.BLOCK_SIZE
     for request in steps:
         for accepted, _ in request:
@@ -158,7 +165,7 @@ def test_acceptance_tool_finds_a_pp2_pd_deployment_equal_to_non_pd(pair, tmp_pat
         assert report[side]["verify_steps"] == sum(len(s) for s in steps)
         assert report[side]["histogram"] == expected_hist
         assert report[side]["accept_length_verify_weighted"] == pytest.approx(
-            len(PROMPTS) * MAX_NEW_TOKENS / sum(len(s) for s in steps))
+            len(TOOL_PROMPTS) * TOOL_NEW_TOKENS / sum(len(s) for s in steps))
         assert report[side]["proposals_per_step"] == models.BLOCK_SIZE - 1
     assert report["reference"]["position_acceptance"][0] == pytest.approx(
         sum(a >= 1 for s in steps for a, _ in s) / sum(len(s) for s in steps))
@@ -172,7 +179,9 @@ def test_acceptance_tool_names_the_drop_of_a_wrong_draft(pair, tmp_path, capsys)
     cmp = report["comparison"]
     assert code == 1 and cmp["verdict"] == "drop", printed
     assert cmp["first_parting"]["position"] == 1
-    assert cmp["first_parting"]["reference"] > 0.25 and cmp["first_parting"]["deployment"] < 0.1
-    assert report["outputs_equal"] == len(PROMPTS)  # the target still decides every token
+    assert cmp["first_parting"]["reference"] == pytest.approx(0.5, abs=0.02)
+    assert cmp["first_parting"]["deployment"] == 0.0
+    assert report["deployment"]["histogram"] == [report["deployment"]["verify_steps"], 0, 0, 0]
+    assert report["outputs_equal"] == len(TOOL_PROMPTS)  # the target decides every token
     assert "first parting draft position 1" in printed
     assert os.path.getsize(out / "acceptance.png") > 1000

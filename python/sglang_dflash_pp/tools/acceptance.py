@@ -69,11 +69,13 @@ class Answer:
 
 def summarize(answers: Sequence[Answer]) -> dict:
     """One deployment's figures over its answers."""
-    width = max(len(a.histogram) for a in answers)
+    # sglang's histogram ends at the largest count seen; every step proposes the same number
+    steps = sum(a.verify_steps for a in answers)
+    proposals = round(sum(a.proposed_drafts for a in answers) / steps)
+    width = max(max(len(a.histogram) for a in answers), proposals + 1)
     hist = [sum(a.histogram[k] if k < len(a.histogram) else 0 for a in answers)
             for k in range(width)]  # fmt: skip
     at_least = [sum(hist[k:]) for k in range(width)]  # at_least[0]: every verify step
-    steps = sum(a.verify_steps for a in answers)
     return dict(
         requests=len(answers),
         verify_steps=steps,

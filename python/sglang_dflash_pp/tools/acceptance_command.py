@@ -149,8 +149,12 @@ def plot(report: dict, path: str) -> None:
     if parting is not None:
         ax.axvline(parting["position"], color="red", alpha=0.4,
                    label=f"first parting position ({parting['position']})")  # fmt: skip
+    import textwrap
+
+    width = len(report["reference"]["position_acceptance"])
     ax.set(xlabel="draft position k", ylabel="verify steps accepting >= k drafts",
-           title=report["comparison"]["text"][:90], ylim=(0, 1.05))  # fmt: skip
+           ylim=(0, 1.05), xticks=range(1, width + 1))  # fmt: skip
+    ax.set_title(textwrap.fill(report["comparison"]["text"], 80), fontsize=8)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
