@@ -153,6 +153,35 @@ def write_disagreeing_draft(path: str) -> str:
     return path
 
 
+def write_context_draft(path: str, scale: float = 0.05) -> str:
+    """A draft for the cycling target whose proposal depends on its context KV: token 1 while
+    the request's context outweighs the block, token 3 (never output) when it does not.
+
+    As ``write_disagreeing_draft`` (uniform attention in the first layer, its value written
+    negatively into residual dims 0 and 1, final norm weight -1 on dim 2), but the context is
+    kept: ``fc`` maps every captured feature to hidden dim 5, whose value is ``-scale`` per
+    context token against +1 per block token. With c context tokens and m visible block
+    tokens, the attention output has the sign of ``m - scale * c``: negative (token 1, whose
+    logit is then the largest) once ``c > m / scale`` (80 tokens: prompts of 90 and more),
+    positive (token 3) when the context is missing. So a decode whose transferred draft KV is
+    zeroed proposes 3 until it has generated 80 tokens itself."""
+    from safetensors.torch import save_file
+
+    write_disagreeing_draft(path)
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    fc = torch.zeros_like(tensors["fc.weight"])
+    fc[5, :CYCLE] = 1.0  # feature 0's one-hot dims -> hidden dim 5, for every token
+    tensors["fc.weight"] = fc
+    tensors["hidden_norm.weight"] = torch.ones(HIDDEN)
+    v = tensors["layers.0.self_attn.v_proj.weight"]
+    v[0, 5] = -scale
+    save_file({k: t.contiguous() for k, t in tensors.items()},
+              os.path.join(path, "model.safetensors"))
+    return path
+
+
 def write_draft_config_only(path: str, **config_kw) -> str:
     """The draft directory an operator has before the weights: ``config.json`` alone."""
     os.makedirs(path, exist_ok=True)
@@ -236,19 +265,21 @@ def cycling_output(last_prompt_token: int, n: int) -> List[int]:
     return out
 
 
-def verify_steps(output: Sequence[int], block_size: int = BLOCK_SIZE) -> List[Tuple[int, int]]:
+def verify_steps(output: Sequence[int], block_size: int = BLOCK_SIZE,
+                 proposal: int = 0) -> List[Tuple[int, int]]:
     """(draft tokens accepted, tokens committed) per DFLASH verify step on the decode server, by
     simulating the verify rule on the constructed pair: the first output token comes from the
-    prefill; each step drafts ``block_size - 1`` zeros after the last committed token, accepts
+    prefill; each step drafts ``block_size - 1`` tokens ``proposal`` (the constructed draft's
+    0) after the last committed token, accepts
     the longest prefix the target agrees with, and commits it plus the target's next token
     (the last step commits only what ``max_new_tokens`` leaves)."""
     steps, i = [], 1  # output[0] is the prefill's token
     while i < len(output):
         accepted = 0
         prev = output[i - 1]
-        while accepted < block_size - 1 and (prev + 1) % CYCLE == 0:
+        while accepted < block_size - 1 and (prev + 1) % CYCLE == proposal:
             accepted += 1
-            prev = 0
+            prev = proposal
         commit = min(accepted + 1, len(output) - i)
         steps.append((accepted, commit))
         i += commit

@@ -14,7 +14,10 @@ D = DFLASH decode -> the real router. Also the GSM8K benchmark client
 DFLASH run and must equal the closed form. And ``sglang-dflash-pp acceptance`` comparing it with
 a non-PD server ``A`` of the same pair (verdict equal, the closed form's figures), and ``A``
 with a server ``B`` whose draft never agrees with the target (``write_disagreeing_draft``):
-verdict drop, first parting at draft position 1.
+verdict drop, first parting at draft position 1. Last, a draft whose proposal depends on its
+context KV (``write_context_draft``) through a second PP2 PD deployment: equal to its non-PD
+server ``A2``, then, with test support zeroing each request's transferred draft KV on the
+decode, a drop at draft position 1.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import cpu_servers
 import e2e_models as models
 from deployments import Deployment
 from deployment_args import DECODE_ARGS, prefill_args, server_args
-from test_kv_checksum import CHECKSUM, checksum_counts
+from test_kv_checksum import CHECKSUM, INJECT_ENV, checksum_counts
 
 pytestmark = pytest.mark.slow
 
@@ -59,11 +62,24 @@ def pair(e2e_root, stub_root):
         dep.add(cpu_servers.launch_pd_router("router", root, [(dep["P2"].base_url, boot)],
                                              [dep["D"].base_url]))
         wrong = models.write_disagreeing_draft(os.path.join(root, "wrong_draft"))
-        for name, d in (("A", draft), ("B", wrong)):
+        context = models.write_context_draft(os.path.join(root, "context_draft"))
+        for name, d in (("A", draft), ("B", wrong), ("A2", context)):
             dep.add(cpu_servers.launch_server(name, root, target, server_args(d),
                                               stub_root=stub_root, spec=True))
+        # The context-dependent draft through PD, on a decode that zeroes the transferred draft
+        # KV of the requests sent while the control file says so (cpu_support/kv_misplacement).
+        boot_c, inject = cpu_servers.free_port(), os.path.join(root, "misplace")
+        open(inject, "w").close()
+        dep.add(cpu_servers.launch_server(
+            "P2c", root, target, server_args(context, *prefill_args(boot_c), "--pp-size", "2"),
+            stub_root=stub_root, spec=True, pd=True, ranks=2))
+        dep.add(cpu_servers.launch_server(
+            "Dc", root, target, server_args(context, *DECODE_ARGS), stub_root=stub_root,
+            spec=True, pd=True, env={INJECT_ENV: inject}))
+        dep.add(cpu_servers.launch_pd_router("router-c", root, [(dep["P2c"].base_url, boot_c)],
+                                             [dep["Dc"].base_url]))
         dep.wait()
-        yield {"dep": dep, "root": root, "target": target}
+        yield {"dep": dep, "root": root, "target": target, "inject": inject}
     finally:
         dep.kill()
 
@@ -135,16 +151,29 @@ TOOL_PROMPTS = PROMPTS + ["Numbers: 1 2 3", "zz"]
 TOOL_NEW_TOKENS = 64
 
 
-def _acceptance(url_ref: str, url_dep: str, tmp_path, name: str):
+def _acceptance(url_ref: str, url_dep: str, tmp_path, name: str, prompts=TOOL_PROMPTS,
+                new_tokens=TOOL_NEW_TOKENS):
     from sglang_dflash_pp.cli import main
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"text": p}) + "\n" for p in TOOL_PROMPTS))
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
     out = tmp_path / name
     code = main(["acceptance", "--reference", url_ref, "--deployment", url_dep, "--prompts",
-                 str(prompts), "--max-new-tokens", str(TOOL_NEW_TOKENS), "--parallel", "2",
+                 str(path), "--max-new-tokens", str(new_tokens), "--parallel", "2",
                  "--out", str(out)])
     return code, json.load(open(out / "report.json")), out
+
+
+def _closed_form(target, prompts, new_tokens, proposal=0):
+    tok = _tokenizer(target)
+    steps = [models.verify_steps(models.cycling_output(
+        tok(p, add_special_tokens=False)["input_ids"][-1], new_tokens), proposal=proposal)
+        for p in prompts]
+    hist = [0] * models.BLOCK_SIZE
+    for request in steps:
+        for accepted, _ in request:
+            hist[accepted] += 1
+    return hist
 
 
 def test_acceptance_tool_finds_a_pp2_pd_deployment_equal_to_non_pd(pair, tmp_path, capsys):
@@ -157,10 +186,7 @@ def test_acceptance_tool_finds_a_pp2_pd_deployment_equal_to_non_pd(pair, tmp_pat
     steps = [models.verify_steps(models.cycling_output(
         tok(p, add_special_tokens=False)["input_ids"][-1], TOOL_NEW_TOKENS))
         for p in TOOL_PROMPTS]
-    expected_hist = [0] * models.BLOCK_SIZE
-    for request in steps:
-        for accepted, _ in request:
-            expected_hist[accepted] += 1
+    expected_hist = _closed_form(pair["target"], TOOL_PROMPTS, TOOL_NEW_TOKENS)
     for side in ("reference", "deployment"):
         assert report[side]["verify_steps"] == sum(len(s) for s in steps)
         assert report[side]["histogram"] == expected_hist
@@ -184,4 +210,37 @@ def test_acceptance_tool_names_the_drop_of_a_wrong_draft(pair, tmp_path, capsys)
     assert report["deployment"]["histogram"] == [report["deployment"]["verify_steps"], 0, 0, 0]
     assert report["outputs_equal"] == len(TOOL_PROMPTS)  # the target decides every token
     assert "first parting draft position 1" in printed
+    assert os.path.getsize(out / "acceptance.png") > 1000
+
+
+# Long enough for the context-dependent draft's context to outweigh its block (80 tokens).
+CONTEXT_PROMPTS = [f"{i} The quick brown fox jumps over the lazy dog. " * 2 for i in range(6)]
+CONTEXT_NEW_TOKENS = 16  # fewer than the 20 a zeroed decode needs to regain token 1
+
+
+def test_acceptance_tool_names_the_drop_of_a_decode_whose_draft_kv_was_zeroed(pair, tmp_path):
+    """A draft whose proposal depends on its context KV (``write_context_draft``), served
+    non-PD (``A2``) and through a PP2 PD deployment: equal, with the closed form of a draft
+    proposing token 1; then the same deployment while test support zeroes each request's
+    transferred draft KV on the decode: drop, first parting at draft position 1, and the
+    outputs still equal (the target decides every token)."""
+    dep, router = pair["dep"], pair["dep"]["router-c"].base_url
+    hist = _closed_form(pair["target"], CONTEXT_PROMPTS, CONTEXT_NEW_TOKENS, proposal=1)
+    assert hist[1] > 0  # the closed form accepts drafts
+    code, report, _ = _acceptance(dep["A2"].base_url, router, tmp_path, "intact",
+                                  CONTEXT_PROMPTS, CONTEXT_NEW_TOKENS)
+    assert code == 0 and report["comparison"]["verdict"] == "equal", report["comparison"]
+    assert report["reference"]["histogram"] == report["deployment"]["histogram"] == hist
+    with open(pair["inject"], "w") as f:
+        f.write("zero-draft")
+    try:
+        code, report, out = _acceptance(dep["A2"].base_url, router, tmp_path, "zeroed",
+                                        CONTEXT_PROMPTS, CONTEXT_NEW_TOKENS)
+    finally:
+        open(pair["inject"], "w").close()
+    cmp = report["comparison"]
+    assert code == 1 and cmp["verdict"] == "drop", cmp["text"]
+    assert cmp["first_parting"]["position"] == 1 and cmp["first_parting"]["deployment"] == 0
+    assert report["deployment"]["histogram"] == [report["deployment"]["verify_steps"], 0, 0, 0]
+    assert report["outputs_equal"] == len(CONTEXT_PROMPTS)
     assert os.path.getsize(out / "acceptance.png") > 1000

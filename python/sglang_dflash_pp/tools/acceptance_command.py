@@ -118,7 +118,7 @@ def table(report: dict) -> str:
         ("proposals_per_step", "draft proposals per verify step"),
         ("accepted_drafts_per_step", "accepted drafts per verify step"),
     ):
-        lines.append(f"{label:44s} {ref[key]:>11.3f} {dep[key]:>11.3f}".replace(".000 ", "     "))
+        lines.append(f"{label:44s} {_num(ref[key])} {_num(dep[key])}")
     lines.append(f"{'outputs equal':44s} {report['outputs_equal']:>11d} of {report['requests']}")
     lines += ["", "draft position  P(acc >= k) ref   dep   P(acc >= k | k-1) ref   dep   p-value"]
     for k, row in enumerate(cmp["positions"], 1):
@@ -128,6 +128,10 @@ def table(report: dict) -> str:
                      f"{fmt(row['deployment'])}  {row['p_value']:7.2g}")  # fmt: skip
     lines += ["", f"verdict: {cmp['text']}", f"test: {cmp['test']}"]
     return "\n".join(lines)
+
+
+def _num(value) -> str:
+    return f"{int(value):>11d}" if float(value).is_integer() else f"{value:>11.3f}"
 
 
 def _at(values: list, k: int) -> float:

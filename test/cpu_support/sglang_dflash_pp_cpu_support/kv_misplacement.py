@@ -16,7 +16,9 @@ this process makes is misplaced that way:
 - ``flip-target``, ``flip-draft``, ``flip-state`` (decode), AROUND ``disaggregation/decode.
   SchedulerDisaggregationDecodeMixin._verify_kv_checksums``: one bit of layer 0's K (the MLA
   latent on Kimi-K3) at the request's first received token, or of the first state layer's
-  temporal state in the request's slot, after the transfer, before the checksum is compared.
+  temporal state in the request's slot, after the transfer, before the checksum is compared;
+  ``zero-draft`` (decode, same symbol): the request's whole transferred draft KV set to 0,
+  for the acceptance tool to see (on a decode without the checksum, which would fail it).
 
 Nothing else changes; with the file empty every call is upstream's.
 """
@@ -78,6 +80,14 @@ def verify_kv_checksums(original, self, batch):
             slot = int(self.req_to_token_pool.req_index_to_mamba_index_mapping[
                 req.kv.req_pool_idx])
             mamba_pool.mamba_cache.temporal[0, slot].view(-1).view(torch.uint8)[0] ^= 1
+    if asked == "zero-draft":
+        pool = self.disagg_decode_prealloc_queue.draft_token_to_kv_pool
+        for req in batch.reqs:
+            slots = self.req_to_token_pool.req_to_token[
+                req.kv.req_pool_idx, : len(req.origin_input_ids)].to(torch.int64)
+            for buffers in (pool.k_buffer, pool.v_buffer):
+                for buffer in buffers:
+                    buffer[slots] = 0
     if asked in ("flip-target", "flip-draft"):
         queue = self.disagg_decode_prealloc_queue
         pool = queue.token_to_kv_pool if asked == "flip-target" else queue.draft_token_to_kv_pool
