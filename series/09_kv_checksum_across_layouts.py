@@ -74,9 +74,20 @@ reference (Triton interpreter).
             "PrefillBootstrapQueue.__init__",
             after=Stmt("self.kv_checksum_signature = 0"),
             code="""
+            # What this rank sums of a request: its target KV, the DFLASH draft KV
+            # when it sends it, and the recurrent state of a hybrid target.
             self.kv_placement_checksum = None
             if get_disagg().disaggregation_enable_kv_checksum:
-                self.kv_placement_checksum = self._init_kv_placement_checksum()
+                has_draft = self.kv_manager.kv_args.num_draft_entries > 0
+                spec_aux_config = self.scheduler.tp_worker.model_runner.spec_aux_config
+                self.kv_placement_checksum = kv_placement_checksum_for(
+                    self.token_to_kv_pool,
+                    self.draft_token_to_kv_pool if has_draft else None,
+                    self.scheduler.model_config,
+                    spec_aux_config.draft_model_config,
+                    get_parallel().attn_tp_rank,
+                    get_parallel().attn_tp_size,
+                )
             """,
         ),
         AddMethod(
@@ -84,26 +95,6 @@ reference (Triton interpreter).
             "PrefillBootstrapQueue",
             after="_init_kv_manager",
             code='''
-            def _init_kv_placement_checksum(self):
-                """What this rank sums of a request: its target KV, the DFLASH draft KV
-                when it sends it, and the recurrent state of a hybrid target."""
-                kv_args = self.kv_manager.kv_args
-                draft_pool = self.draft_token_to_kv_pool
-                draft_heads = 0
-                if kv_args.num_draft_entries:
-                    spec_aux_config = self.scheduler.tp_worker.model_runner.spec_aux_config
-                    draft_heads = (
-                        spec_aux_config.draft_model_config.get_total_num_kv_heads()
-                    )
-                return kv_placement_checksum_for(
-                    self.token_to_kv_pool,
-                    draft_pool if kv_args.num_draft_entries else None,
-                    self.scheduler.model_config.get_total_num_kv_heads(),
-                    draft_heads,
-                    get_parallel().attn_tp_rank,
-                    get_parallel().attn_tp_size,
-                )
-
             def record_kv_placement_sums(
                 self,
                 req: Req,
@@ -261,27 +252,16 @@ reference (Triton interpreter).
             code="""
             self.kv_placement_checksum = None
             if enable_kv_checksum:
+                spec_aux_config = self.scheduler.tp_worker.model_runner.spec_aux_config
                 self.kv_placement_checksum = kv_placement_checksum_for(
                     self.token_to_kv_pool,
                     self.draft_token_to_kv_pool,
-                    self.scheduler.model_config.get_total_num_kv_heads(),
-                    self._draft_total_kv_heads(),
+                    self.scheduler.model_config,
+                    spec_aux_config.draft_model_config,
                     get_parallel().attn_tp_rank,
                     get_parallel().attn_tp_size,
                 )
             """,
-        ),
-        AddMethod(
-            DECODE,
-            "DecodePreallocQueue",
-            after="_init_kv_manager",
-            code='''
-            def _draft_total_kv_heads(self) -> int:
-                if self.draft_token_to_kv_pool is None:
-                    return 0
-                spec_aux_config = self.scheduler.tp_worker.model_runner.spec_aux_config
-                return spec_aux_config.draft_model_config.get_total_num_kv_heads()
-            ''',
         ),
         ReplaceStatement(
             DECODE,

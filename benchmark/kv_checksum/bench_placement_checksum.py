@@ -110,8 +110,41 @@ def side(name: str, mla_layers: int, draft_heads: int, tp: int):
     )
     pages = torch.randperm(POOL_PAGES, device="cuda")[: TOKENS // PAGE]
     locs = (pages[:, None] * PAGE + torch.arange(PAGE, device="cuda")).reshape(-1)
+    locs = locs.to(torch.int32)  # as req_to_token holds them
     nbytes = TOKENS * (mla_layers * LATENT * 2 + 2 * DRAFT_LAYERS * draft_heads * HEAD_DIM * 2)
     return checksum, locs, nbytes
+
+
+def compiled_variants() -> int:
+    from sglang.kernels.ops.memory.keyed_head_hash import _keyed_head_sums_kernel as k
+
+    return sum(len(cache[0]) for cache in k.device_caches.values())
+
+
+def after_startup(checksum, locs) -> dict:
+    """Requests unlike the startup launch: 1 to 8192 tokens, first positions 0 to 12345,
+    slot lists starting 4 bytes past an aligned address."""
+    import torch
+
+    torch.cuda.synchronize()
+    variants, before = compiled_variants(), torch.cuda.memory_stats()
+    spare = torch.cat([locs[:1], locs])  # locs[1:] of it is 4 bytes off alignment
+    cases = [(1, 0), (7, 1), (16, 16), (17, 12345), (4096, 3), (8191, 1), (8192, 0)]
+    for tokens, first_pos in cases:
+        checksum.compute(spare[1 : 1 + tokens], first_pos)
+        checksum.compute(locs[:tokens], first_pos)
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    return {
+        "requests": 2 * len(cases),
+        "cases_tokens_first_pos": cases,
+        "kernel_variants_before": variants,
+        "kernel_variants_compiled_after_startup": compiled_variants() - variants,
+        "device_allocations_after_startup": after["allocation.all.allocated"]
+        - before["allocation.all.allocated"],
+        "device_segments_allocated_after_startup": after["segment.all.allocated"]
+        - before["segment.all.allocated"],
+    }
 
 
 def gpu(reps: int, warmup: int, kernel_dir: str, out: str) -> None:
@@ -136,6 +169,7 @@ def gpu(reps: int, warmup: int, kernel_dir: str, out: str) -> None:
     }
     result = {"sides": {}}
     for name, ((checksum, locs, digested), linked) in sides.items():
+        startup = after_startup(checksum, locs)  # before the tile sweep compiles others
         reference = keyed_head_sums_reference(checksum.buffers, locs, 100)
         rows = checksum.compute(locs, 100)
         equal = rows[:, 4].tolist() == [
@@ -144,12 +178,12 @@ def gpu(reps: int, warmup: int, kernel_dir: str, out: str) -> None:
         ]  # fmt: skip
         samples = {"gpu_us": [], "host_us": []}
         for i in range(warmup + reps):
-            # GPU: the launch compute makes (kernel and the reduce over token blocks).
+            # GPU: what compute launches (zero the sums, the kernel, the modulo).
             torch.cuda.synchronize()
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            keyed_head_sums(checksum.buffers, locs, 100, checksum.table)
+            keyed_head_sums(checksum.buffers, locs, 100, checksum.table, checksum.sums)
             end.record()
             torch.cuda.synchronize()
             # Host: all of compute, which ends with the sums' copy to the host.
@@ -168,7 +202,9 @@ def gpu(reps: int, warmup: int, kernel_dir: str, out: str) -> None:
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
-                keyed_head_sums(checksum.buffers, locs, 100, checksum.table, tokens, words)
+                keyed_head_sums(
+                    checksum.buffers, locs, 100, checksum.table, checksum.sums, tokens, words
+                )
                 end.record()
                 torch.cuda.synchronize()
                 if i >= warmup:
@@ -187,6 +223,7 @@ def gpu(reps: int, warmup: int, kernel_dir: str, out: str) -> None:
             "share_of_link": host_ms / link_ms(linked),
             "gpu_us_by_tile": tiles,
             "samples_us": samples,
+            "after_startup": startup,
         }
     result.update(
         what="KvPlacementChecksum.compute as shipped, one 8192-token chunk, Kimi-K3 geometry",

@@ -15,7 +15,7 @@ wrong decode layer or a page at the wrong slot each shows as a named mismatch.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from sglang.srt.mem_cache.memory_pool import (
     MHATokenToKVPool,
     MLATokenToKVPool,
 )
+
+if TYPE_CHECKING:
+    from sglang.srt.configs.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +82,9 @@ def _layer_buffers(pool: KVCache) -> List[Tuple[int, int, torch.Tensor]]:
 
 def _buffer_key(component: int, layer_id: int, part: int) -> int:
     """32 bits naming a buffer's component, layer and part (the same on both sides)."""
-    x = torch.tensor([(component << 24) ^ (layer_id << 4) ^ part], dtype=torch.int64)
-    return int(fmix32_words(x * FMIX32_C1 & MASK32))
+    return fmix32_words(
+        ((component << 24) ^ (layer_id << 4) ^ part) * FMIX32_C1 & MASK32
+    )
 
 
 def _state_rows(state: torch.Tensor, slice_axis: Optional[int]) -> torch.Tensor:
@@ -94,6 +98,27 @@ def _state_rows(state: torch.Tensor, slice_axis: Optional[int]) -> torch.Tensor:
     return state.reshape(1, state.shape[0], -1)
 
 
+def _sum_keys(
+    terms: List[Tuple[int, int, int]], buffers: List[HeadRows]
+) -> Tuple[np.ndarray, np.ndarray]:
+    """The (component, layer, part, global head) of each sum, and its index in the
+    flattened ``[buffers, max heads]`` sums."""
+    width = max(b.data.shape[1] for b in buffers)
+    keys, where = [], []
+    for i, (term, buf) in enumerate(zip(terms, buffers)):
+        for h in range(buf.data.shape[1]):
+            keys.append((*term, buf.first_head + h))
+            where.append(i * width + h)
+    return np.array(keys, dtype=np.int64), np.array(where, dtype=np.int64)
+
+
+def _sums_buffer(buffers: List[HeadRows]) -> torch.Tensor:
+    width = max(b.data.shape[1] for b in buffers)
+    return torch.zeros(
+        len(buffers), width, dtype=torch.int64, device=buffers[0].data.device
+    )
+
+
 class KvPlacementChecksum:
     """The sums of this rank's target and draft KV for a request's tokens, and of its
     recurrent state (one slot per request) where the target has one."""
@@ -105,7 +130,7 @@ class KvPlacementChecksum:
         attn_tp_size: int,
     ):
         """``pools``: (component, pool, total KV heads of the component's model)."""
-        self.terms: List[Tuple[int, int, int]] = []
+        terms: List[Tuple[int, int, int]] = []
         self.buffers: List[HeadRows] = []
         for component, pool, total_heads in pools:
             for layer_id, part, data in _layer_buffers(pool):
@@ -113,13 +138,11 @@ class KvPlacementChecksum:
                     first_head = 0  # the same on every rank
                 else:
                     first_head = first_kv_head(attn_tp_rank, attn_tp_size, total_heads)
-                self.terms.append((component, layer_id, part))
+                terms.append((component, layer_id, part))
                 self.buffers.append(
                     HeadRows(data, _buffer_key(component, layer_id, part), first_head)
                 )
-        self.table = (
-            keyed_head_table(self.buffers) if self.buffers[0].data.is_cuda else None
-        )
+        self.keys, self.where = _sum_keys(terms, self.buffers)
         # (layer id, ordinal in the layer, [slots, ...] state, TP slice axis)
         self.states = []
         self.attn_tp_rank = attn_tp_rank
@@ -130,41 +153,58 @@ class KvPlacementChecksum:
             for _, state, slice_axis, layer_id in entries:
                 ordinals[layer_id] = ordinals.get(layer_id, -1) + 1
                 self.states.append((layer_id, ordinals[layer_id], state, slice_axis))
+        device = self.buffers[0].data.device
+        self.first_slot = torch.zeros(1, dtype=torch.int32, device=device)
+        if self.states:
+            states = self._state_buffers(0)
+            state_terms = [
+                (STATE, layer_id, part) for layer_id, part, _, _ in self.states
+            ]
+            self.state_keys, self.state_where = _sum_keys(state_terms, states)
+        self.table = self.sums = self.state_sums = None
+        if device.type == "cuda":
+            # Made once: the kernel's parameters and its outputs. The launch below
+            # compiles its one variant before the server serves.
+            self.table = keyed_head_table(self.buffers)
+            self.sums = _sums_buffer(self.buffers)
+            if self.states:
+                self.state_sums = _sums_buffer(states)
+            self.compute(self.first_slot, 0, 0 if self.states else None)
+
+    def _state_buffers(self, slot: int) -> List[HeadRows]:
+        buffers = []
+        for layer_id, part, state, slice_axis in self.states:
+            rows = _state_rows(state[slot], slice_axis)
+            first = 0 if slice_axis is None else self.attn_tp_rank * rows.shape[1]
+            buffers.append(HeadRows(rows, _buffer_key(STATE, layer_id, part), first))
+        return buffers
 
     def compute(
         self,
         locs: torch.Tensor,
         first_pos: int,
-        state_slot: Optional[torch.Tensor] = None,
+        state_slot: Optional[int] = None,
     ) -> np.ndarray:
-        """Sums of the tokens at pool slots ``locs``, the first at ``first_pos``, and of
-        the state at ``state_slot``: ``[n, SUM_COLUMNS]`` int64 rows of (component,
-        layer, part, head or state channel, sum)."""
-        terms, buffers = list(self.terms), list(self.buffers)
-        if self.table is not None:
-            sums = [keyed_head_sums(buffers, locs, first_pos, self.table)]
-        else:
-            sums = [keyed_head_sums_reference(buffers, locs, first_pos)]
+        """Sums of the tokens at pool slots ``locs`` (the int32 rows of
+        ``req_to_token``), the first at ``first_pos``, and of the state at
+        ``state_slot``: ``[n, SUM_COLUMNS]`` int64 rows of (component, layer, part,
+        head or state channel, sum)."""
+        sums = self._sums(self.buffers, locs, first_pos, self.table, self.sums)
+        rows = [np.column_stack([self.keys, sums[self.where]])]
         if self.states:
-            states = []
-            for layer_id, part, state, slice_axis in self.states:
-                rows = _state_rows(state[int(state_slot)], slice_axis)
-                first = 0 if slice_axis is None else self.attn_tp_rank * rows.shape[1]
-                terms.append((STATE, layer_id, part))
-                states.append(HeadRows(rows, _buffer_key(STATE, layer_id, part), first))
-            slot = torch.zeros(1, dtype=torch.int64, device=locs.device)
-            if self.table is not None:
-                table = keyed_head_table(states)
-                sums.append(keyed_head_sums(states, slot, 0, table))
-            else:
-                sums.append(keyed_head_sums_reference(states, slot, 0))
-            buffers += states
-        rows = []
-        sum_rows = [row for s in sums for row in s.cpu().tolist()]
-        for (component, layer_id, part), buf, sum_row in zip(terms, buffers, sum_rows):
-            for h in range(buf.data.shape[1]):
-                rows.append((component, layer_id, part, buf.first_head + h, sum_row[h]))
-        return np.array(rows, dtype=np.int64).reshape(-1, SUM_COLUMNS)
+            states = self._state_buffers(int(state_slot))
+            table = None if self.table is None else keyed_head_table(states)
+            sums = self._sums(states, self.first_slot, 0, table, self.state_sums)
+            rows.append(np.column_stack([self.state_keys, sums[self.state_where]]))
+        return np.concatenate(rows)
+
+    @staticmethod
+    def _sums(buffers, locs, first_pos, table, out) -> np.ndarray:
+        if table is None:
+            sums = keyed_head_sums_reference(buffers, locs, first_pos)
+        else:
+            sums = keyed_head_sums(buffers, locs, first_pos, table, out)
+        return sums.cpu().numpy().ravel()
 
 
 def encode_sums(rows: np.ndarray) -> bytes:
@@ -211,15 +251,17 @@ def find_mismatches(mine: np.ndarray, reports: Dict[int, bytes]) -> Optional[str
 def kv_placement_checksum_for(
     target_pool: KVCache,
     draft_pool: Optional[KVCache],
-    target_total_heads: int,
-    draft_total_heads: int,
+    model_config: ModelConfig,
+    draft_model_config: Optional[ModelConfig],
     attn_tp_rank: int,
     attn_tp_size: int,
 ) -> Optional[KvPlacementChecksum]:
-    """The rank's checksum, or None, said at startup, for pools it cannot digest."""
-    pools = [(TARGET_KV, target_pool, target_total_heads)]
+    """This rank's checksum of the pools it transfers, or None, said at startup, for
+    pools it cannot digest."""
+    pools = [(TARGET_KV, target_pool, model_config.get_total_num_kv_heads())]
     if draft_pool is not None:
-        pools.append((DRAFT_KV, draft_pool, draft_total_heads))
+        draft_heads = draft_model_config.get_total_num_kv_heads()
+        pools.append((DRAFT_KV, draft_pool, draft_heads))
     try:
         return KvPlacementChecksum(pools, attn_tp_rank, attn_tp_size)
     except ValueError as e:

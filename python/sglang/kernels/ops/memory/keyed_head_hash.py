@@ -10,6 +10,11 @@ a word at the wrong place is hashed under the wrong key. Sums are modulo 2**32: 
 key the word hash is a bijection, so any single changed word changes the sum, and a
 misplacement leaves it equal with probability about 2**-32 per head compared. The key is
 a hash of the position plus a hash of the place in the head: one hash per word.
+
+The kernel adds each token block's sums into a caller-owned output with atomics, so a
+call allocates nothing, and it does not specialize on the token count, the position or
+the alignment of the slots it reads: the launch its owner makes at startup compiles the
+one variant every request uses.
 """
 
 from dataclasses import dataclass
@@ -37,8 +42,8 @@ class HeadRows:
     first_head: int
 
 
-def fmix32_words(x: torch.Tensor) -> torch.Tensor:
-    """The ``_fmix32`` finalizer on int64 tensors holding 32-bit values."""
+def fmix32_words(x):
+    """The ``_fmix32`` finalizer on 32-bit values held in ints or int64 tensors."""
     x = x ^ (x >> 16)
     x = (x * FMIX32_C1) & MASK32
     x = x ^ (x >> 13)
@@ -76,7 +81,9 @@ def keyed_head_sums_reference(
     return out
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["base_ptr", "loc_ptr", "num_tokens", "first_pos", "max_heads"]
+)
 def _keyed_head_sums_kernel(
     base_ptr,
     table_ptr,
@@ -111,7 +118,7 @@ def _keyed_head_sums_kernel(
     pos = (first_pos + tok).to(tl.uint32)
     at = _fmix32(pos * tl.full((), POS_C, tl.uint32) ^ buf_key, FM_C1, FM_C2)
     rows = offset + loc * slot_stride
-    out = out_ptr + (buf * tl.num_programs(1) + block) * max_heads
+    out = out_ptr + buf * max_heads
     for h in range(num_heads):
         head = (first_head + h).to(tl.uint32)
         total = tl.zeros((), dtype=tl.uint32)
@@ -126,7 +133,7 @@ def _keyed_head_sums_kernel(
             place = _fmix32(place, FM_C1, FM_C2)
             term = _fmix32(v ^ (at[:, None] + place[None, :]), FM_C1, FM_C2)
             total += tl.sum(tl.where(mask, term, 0)).to(tl.uint32)
-        tl.store(out + h, total.to(tl.int64))
+        tl.atomic_add(out + h, total.to(tl.int64))
 
 
 def keyed_head_table(buffers: Sequence[HeadRows]) -> torch.Tensor:
@@ -155,26 +162,25 @@ def keyed_head_sums(
     locs: torch.Tensor,
     first_pos: int,
     table: torch.Tensor,
+    out: torch.Tensor,
     tokens_per_block: int = 32,
     words_per_step: int = 32,
 ) -> torch.Tensor:
-    """``keyed_head_sums_reference`` in one launch; ``table`` is
+    """``keyed_head_sums_reference`` in one launch, written into ``out`` (int64,
+    ``[len(buffers), max heads]``) and returned; ``table`` is
     ``keyed_head_table(buffers)``. The words of every buffer are addressed from the
     first buffer's, so all must live on one device."""
-    max_heads = max(b.data.shape[1] for b in buffers)
     num_tokens = locs.numel()
     num_blocks = triton.cdiv(max(num_tokens, 1), tokens_per_block)
-    partial = torch.zeros(
-        len(buffers), num_blocks, max_heads, dtype=torch.int64, device=locs.device
-    )
+    out.zero_()
     _keyed_head_sums_kernel[(len(buffers), num_blocks)](
         _head_words(buffers[0].data),
         table,
-        locs.to(torch.int64),
-        partial,
+        locs,
+        out,
         num_tokens,
         first_pos,
-        max_heads,
+        out.shape[1],
         FM_C1=FMIX32_C1,
         FM_C2=FMIX32_C2,
         POS_C=POS_MUL,
@@ -182,4 +188,4 @@ def keyed_head_sums(
         TOKENS=tokens_per_block,
         WORDS=words_per_step,
     )
-    return partial.sum(dim=1) & MASK32
+    return out.bitwise_and_(MASK32)
