@@ -126,9 +126,9 @@ def after_startup(checksum, locs) -> dict:
     slot lists starting 4 bytes past an aligned address."""
     import torch
 
+    spare = torch.cat([locs[:1], locs])  # spare[1:] is 4 bytes off alignment
     torch.cuda.synchronize()
     variants, before = compiled_variants(), torch.cuda.memory_stats()
-    spare = torch.cat([locs[:1], locs])  # locs[1:] of it is 4 bytes off alignment
     cases = [(1, 0), (7, 1), (16, 16), (17, 12345), (4096, 3), (8191, 1), (8192, 0)]
     for tokens, first_pos in cases:
         checksum.compute(spare[1 : 1 + tokens], first_pos)

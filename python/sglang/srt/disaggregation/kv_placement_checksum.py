@@ -23,6 +23,7 @@ import torch
 from sglang.kernels.ops.memory.gpu_tensor_hash import FMIX32_C1
 from sglang.kernels.ops.memory.keyed_head_hash import (
     MASK32,
+    WARM_TOKEN_COUNTS,
     HeadRows,
     fmix32_words,
     keyed_head_sums,
@@ -163,13 +164,15 @@ class KvPlacementChecksum:
             self.state_keys, self.state_where = _sum_keys(state_terms, states)
         self.table = self.sums = self.state_sums = None
         if device.type == "cuda":
-            # Made once: the kernel's parameters and its outputs. The launch below
-            # compiles its one variant before the server serves.
+            # Made once: the kernel's parameters and its outputs. The launches below
+            # compile the kernel's variants before the server serves.
             self.table = keyed_head_table(self.buffers)
             self.sums = _sums_buffer(self.buffers)
             if self.states:
                 self.state_sums = _sums_buffer(states)
-            self.compute(self.first_slot, 0, 0 if self.states else None)
+            for tokens in WARM_TOKEN_COUNTS:
+                slots = torch.zeros(tokens, dtype=torch.int32, device=device)
+                self.compute(slots, 0, 0 if self.states else None)
 
     def _state_buffers(self, slot: int) -> List[HeadRows]:
         buffers = []
