@@ -45,9 +45,12 @@ entries as its slot siblings do. `sglang:kv_checksum_reqs_total{outcome=verified
 unverified}` counts the decode's requests once each.
 
 Cost, Kimi-K3 geometry (P = TP4 x PP8, D = TP32), one 8192-token chunk, H200: a
-last-stage prefill rank sums 79 MB in 129 us on the GPU, 173 us of host time with the
-copy of the sums, 2.0% of the 8.6 ms its 428 MB take at 50 GB/s; a decode rank sums
-252 MB in 150 us (203 us host), 4.0% of its 5.0 ms.
+last-stage prefill rank sums 79 MB in 73 us on the GPU, 96 us of host time with the
+copy of the sums, 1.1% of the 8.6 ms its 428 MB take at 50 GB/s; a decode rank sums
+252 MB in 126 us (148 us host), 2.9% of its 5.0 ms. The kernel adds into outputs made
+at startup and is compiled there (for a token count of 1, a multiple of 16 and other):
+requests of 1 to 8192 tokens from any position then compile nothing, and their KV sums
+allocate no device memory (a hybrid model's state is copied per request).
 
 Tests: `test/registered/unit/disaggregation/test_kv_placement_checksum.py`: every prefill
 layout against every decode layout (attention TP 1..64 each side, 1..16 KV heads, PP2)
