@@ -1,4 +1,5 @@
-from sglang_dflash_pp.patch_series.cst_edits import InsertStatements, Stmt
+from sglang_dflash_pp.patch_series.cst_anchors import Stmt
+from sglang_dflash_pp.patch_series.cst_edits import InsertStatements
 
 PR = dict(
     title="[Bugfix] Refuse a prompt that tokenizes to zero tokens",

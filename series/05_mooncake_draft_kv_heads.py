@@ -1,15 +1,16 @@
-from sglang_dflash_pp.patch_series.cst_edits import (
+from sglang_dflash_pp.patch_series.cst_anchors import IfTest, Stmt
+from sglang_dflash_pp.patch_series.cst_declaration_edits import (
     AddClassAttribute,
     AddImport,
-    AddKeywordArgument,
     AddMethod,
     AddParameter,
-    IfTest,
+)
+from sglang_dflash_pp.patch_series.cst_edits import (
+    AddKeywordArgument,
     InsertStatements,
     ReplaceExpression,
     ReplaceKeywordArgument,
     ReplaceStatement,
-    Stmt,
 )
 
 PR = dict(

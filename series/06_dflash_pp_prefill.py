@@ -1,15 +1,17 @@
-from sglang_dflash_pp.patch_series.cst_edits import (
+from sglang_dflash_pp.patch_series.cst_anchors import Stmt
+from sglang_dflash_pp.patch_series.cst_declaration_edits import (
     AddClassAttribute,
-    AddElif,
     AddImport,
-    AddKeywordArgument,
     AddMethod,
     AddParameter,
+)
+from sglang_dflash_pp.patch_series.cst_edits import (
+    AddElif,
+    AddKeywordArgument,
     GuardStatement,
     InsertStatements,
     ReplaceExpression,
     ReplaceStatement,
-    Stmt,
     WidenCondition,
 )
 

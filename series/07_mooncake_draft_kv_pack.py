@@ -1,11 +1,6 @@
-from sglang_dflash_pp.patch_series.cst_edits import (
-    AddImport,
-    AddKeywordArgument,
-    AddMethod,
-    AddParameter,
-    InsertStatements,
-    Stmt,
-)
+from sglang_dflash_pp.patch_series.cst_anchors import Stmt
+from sglang_dflash_pp.patch_series.cst_declaration_edits import AddImport, AddMethod, AddParameter
+from sglang_dflash_pp.patch_series.cst_edits import AddKeywordArgument, InsertStatements
 
 CONN = "srt/disaggregation/mooncake/conn.py"
 

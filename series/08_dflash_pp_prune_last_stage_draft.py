@@ -1,8 +1,6 @@
-from sglang_dflash_pp.patch_series.cst_edits import (
-    AddMethod,
-    InsertStatements,
-    Stmt,
-)
+from sglang_dflash_pp.patch_series.cst_anchors import Stmt
+from sglang_dflash_pp.patch_series.cst_declaration_edits import AddMethod
+from sglang_dflash_pp.patch_series.cst_edits import InsertStatements
 
 WORKER = "srt/speculative/dflash_worker_v2.py"
 

@@ -1,12 +1,9 @@
+from sglang_dflash_pp.patch_series.cst_anchors import IfTest, Stmt
+from sglang_dflash_pp.patch_series.cst_declaration_edits import AddImport, AddMethod, AddParameter
 from sglang_dflash_pp.patch_series.cst_edits import (
-    AddImport,
     AddKeywordArgument,
-    AddMethod,
-    AddParameter,
-    IfTest,
     InsertStatements,
     ReplaceStatement,
-    Stmt,
 )
 
 PREFILL = "srt/disaggregation/prefill.py"

@@ -1,4 +1,4 @@
-"""Edits of upstream files as code transformations on ``libcst``, anchored on symbols.
+"""Edits inside upstream functions as code transformations on ``libcst``, anchored on symbols.
 
 An edit names the upstream file (relative to the ``sglang`` package), the symbol it changes
 (``Class.method``, ``function``, ``function.inner``; ``""`` for the module's imports) and, inside
@@ -11,200 +11,23 @@ Every primitive raises :class:`AnchorError` with what it looked for when the sym
 is missing (or ambiguous); the generator adds the PR, the file and the symbol. No line numbers,
 no text patches. ``libcst`` round-trips a module exactly, so everything an edit does not touch
 stays byte-identical.
+
+Edits that add a declaration (an import, a parameter, a method, a class attribute) are in
+:mod:`.cst_declaration_edits`; where an edit applies, in :mod:`.cst_anchors`.
 """
 
 from __future__ import annotations
 
-import ast
-import functools
-import textwrap
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple
 
 import libcst as cst
 
+from sglang_dflash_pp.patch_series.cst_anchors import (
+    Anchor, Stmt, at_symbol, closest_hint, code_of, expr_key, find_all,
+    has_docstring, one_line, parse_statements, replace_node, the_one,
+)
 from sglang_dflash_pp.patch_series.errors import AnchorError
-
-_EMPTY = cst.Module(body=[])
-LINE_LENGTH = 88  # sglang's black line length
-
-
-def code_of(node: cst.CSTNode) -> str:
-    return _EMPTY.code_for_node(node)
-
-
-@functools.lru_cache(maxsize=None)
-def _expr_key(code: str) -> str:
-    return ast.dump(ast.parse("(" + code.strip() + "\n)", mode="eval").body)
-
-
-@functools.lru_cache(maxsize=None)
-def _stmt_key(code: str) -> str:
-    return ast.dump(ast.parse(textwrap.dedent(code)))
-
-
-def _one_line(code: str) -> str:
-    return " ".join(code.split())
-
-
-def parse_statements(code: str) -> List[cst.BaseStatement]:
-    """Our snippet as statements of a block (leading comments stay with their statement)."""
-    body = textwrap.indent(textwrap.dedent(code).strip("\n") + "\n", "    ")
-    fn = cst.parse_module("def _():\n" + body).body[0]
-    return list(fn.body.body)
-
-
-# -- anchors inside a symbol -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Stmt:
-    """A simple statement line of the upstream symbol, e.g. ``Stmt("x = f(y)")``."""
-
-    code: str
-
-    def matches(self, node: cst.CSTNode) -> bool:
-        if not isinstance(node, cst.SimpleStatementLine):
-            return False
-        try:
-            return _stmt_key(code_of(node)) == _stmt_key(self.code)
-        except SyntaxError:
-            return False
-
-    def __str__(self) -> str:
-        return f"statement `{_one_line(self.code)}`"
-
-
-@dataclass(frozen=True)
-class IfTest:
-    """An ``if`` statement of the upstream symbol, by its test (``elif`` branches excluded)."""
-
-    test: str
-
-    def matches(self, node: cst.CSTNode) -> bool:
-        return isinstance(node, cst.If) and _expr_key(code_of(node.test)) == _expr_key(self.test)
-
-    def __str__(self) -> str:
-        return f"`if {_one_line(self.test)}:`"
-
-
-Anchor = Union[Stmt, IfTest]
-
-
-# -- finding the symbol ----------------------------------------------------------------------
-
-
-class _AtSymbol(cst.CSTTransformer):
-    """Apply ``fn`` to the one class or function whose qualified name is ``symbol``."""
-
-    def __init__(self, symbol: str, fn: Callable[[cst.CSTNode], cst.CSTNode]):
-        super().__init__()
-        self.symbol, self.fn = symbol, fn
-        self.stack: List[str] = []
-        self.hits = 0
-
-    def on_visit(self, node) -> bool:
-        # A simple statement or an expression holds no def: not visited (and not rebuilt),
-        # as visiting every node of a 3,000-line module cost seconds per edit.
-        if isinstance(node, (cst.SimpleStatementLine, cst.BaseExpression)):
-            return False
-        return super().on_visit(node)
-
-    def _enter(self, node) -> bool:
-        """Whether the symbol can be this def or inside it (else its body is skipped)."""
-        self.stack.append(node.name.value)
-        name = ".".join(self.stack)
-        return name == self.symbol or self.symbol.startswith(name + ".")
-
-    def _leave(self, updated):
-        name = ".".join(self.stack)
-        self.stack.pop()
-        if name != self.symbol:
-            return updated
-        self.hits += 1
-        return self.fn(updated)
-
-    def visit_ClassDef(self, node):
-        return self._enter(node)
-
-    def visit_FunctionDef(self, node):
-        return self._enter(node)
-
-    def leave_ClassDef(self, original, updated):
-        return self._leave(updated)
-
-    def leave_FunctionDef(self, original, updated):
-        return self._leave(updated)
-
-
-def at_symbol(module: cst.Module, symbol: str, fn) -> cst.Module:
-    t = _AtSymbol(symbol, fn)
-    out = module.visit(t)
-    if t.hits == 0:
-        raise AnchorError(f"no class or function `{symbol}` in this file (moved or renamed?)")
-    if t.hits > 1:
-        raise AnchorError(f"`{symbol}` is defined {t.hits} times in this file; ambiguous")
-    return out
-
-
-class _FindAll(cst.CSTVisitor):
-    def __init__(self, pred):
-        super().__init__()
-        self.pred, self.found = pred, []
-
-    def on_visit(self, node) -> bool:
-        if self.pred(node):
-            self.found.append(node)
-        return True
-
-
-def find_all(node: cst.CSTNode, pred) -> list:
-    v = _FindAll(pred)
-    node.visit(v)
-    return v.found
-
-
-def _closest(node: cst.CSTNode, anchor) -> str:
-    """A hint for a moved anchor: the symbol's most similar statement or ``if`` test."""
-    import difflib
-
-    if isinstance(anchor, IfTest):
-        ifs = find_all(node, lambda n: isinstance(n, cst.If))
-        cands = [_one_line(code_of(n.test)) for n in ifs]
-        want = _one_line(anchor.test)
-    else:
-        cands = [
-            _one_line(code_of(n.with_changes(leading_lines=())))
-            for n in find_all(node, lambda n: isinstance(n, cst.SimpleStatementLine))
-        ]
-        want = _one_line(anchor.code)
-    best = difflib.get_close_matches(want, cands, n=1, cutoff=0.6)
-    return f" (closest in the symbol: `{best[0]}`)" if best else ""
-
-
-def _the_one(found: list, what: str, hint: str = ""):
-    if not found:
-        raise AnchorError(f"{what} not found{hint}")
-    if len(found) > 1:
-        raise AnchorError(f"{what} found {len(found)} times; the anchor is ambiguous")
-    return found[0]
-
-
-class _Replace(cst.CSTTransformer):
-    """Replace one node, found by identity, with ``fn(updated node)``."""
-
-    def __init__(self, target: cst.CSTNode, fn):
-        super().__init__()
-        self.target, self.fn = target, fn
-
-    def on_leave(self, original, updated):
-        if original is self.target:
-            return self.fn(updated)
-        return updated
-
-
-def replace_node(root: cst.CSTNode, target: cst.CSTNode, fn):
-    return root.visit(_Replace(target, fn))
 
 
 # -- the primitives --------------------------------------------------------------------------
@@ -236,14 +59,14 @@ class ReplaceExpression(Edit):
     new: str = ""
 
     def apply(self, module):
-        key = _expr_key(self.old)
+        key = expr_key(self.old)
         kind = type(cst.parse_expression(self.old))
 
         def edit(node):
             found = find_all(
                 node, lambda n: isinstance(n, kind) and _safe_key(n) == key
             )
-            target = _the_one(found, f"expression `{_one_line(self.old)}`")
+            target = the_one(found, f"expression `{one_line(self.old)}`")
             new = cst.parse_expression(self.new)
             return replace_node(
                 node, target, lambda old: new.with_changes(lpar=old.lpar, rpar=old.rpar)
@@ -260,7 +83,7 @@ class ReplaceExpression(Edit):
 
 def _safe_key(node) -> Optional[str]:
     try:
-        return _expr_key(code_of(node))
+        return expr_key(code_of(node))
     except SyntaxError:
         return None
 
@@ -276,7 +99,7 @@ class AddKeywordArgument(Edit):
     having: Optional[str] = None  # a keyword the call already passes, where it is not unique
 
     def apply(self, module):
-        func_key = _expr_key(self.call)
+        func_key = expr_key(self.call)
 
         def passes(call: cst.Call) -> bool:
             return self.having is None or any(
@@ -290,7 +113,7 @@ class AddKeywordArgument(Edit):
                 and _safe_key(n.func) == func_key
                 and passes(n),
             )
-            target = _the_one(calls, f"call of `{self.call}(...)`")
+            target = the_one(calls, f"call of `{self.call}(...)`")
             if any(a.keyword is not None and a.keyword.value == self.keyword for a in target.args):
                 raise AnchorError(f"`{self.call}(...)` already passes `{self.keyword}=`")
             return replace_node(node, target, self._add)
@@ -366,15 +189,6 @@ class _InsertAtAnchor(cst.CSTTransformer):
         return updated.with_changes(body=body)
 
 
-def _has_docstring(block: cst.IndentedBlock) -> bool:
-    if not block.body or not isinstance(block.body[0], cst.SimpleStatementLine):
-        return False
-    first = block.body[0].body[0]
-    return isinstance(first, cst.Expr) and isinstance(
-        first.value, (cst.SimpleString, cst.ConcatenatedString)
-    )
-
-
 @dataclass(frozen=True)
 class InsertStatements(Edit):
     """Insert our statements into ``symbol``: ``after`` or ``before`` an anchor, or ``at`` the
@@ -395,7 +209,7 @@ class InsertStatements(Edit):
             if self.at is not None:
                 body = list(node.body.body)
                 if self.at == "start":
-                    i = 1 if _has_docstring(node.body) else 0
+                    i = 1 if has_docstring(node.body) else 0
                     body[i:i] = stmts
                 elif self.at == "end":
                     if body and isinstance(body[-1], cst.SimpleStatementLine) and isinstance(
@@ -409,7 +223,7 @@ class InsertStatements(Edit):
             anchor = self.after or self.before
             t = _InsertAtAnchor(anchor, stmts, "after" if self.after else "before")
             out = node.visit(t)
-            _the_one([None] * t.hits, str(anchor), _closest(node, anchor) if not t.hits else "")
+            the_one([None] * t.hits, str(anchor), closest_hint(node, anchor) if not t.hits else "")
             return out
 
         return at_symbol(module, self.symbol, edit)
@@ -444,7 +258,7 @@ class WidenCondition(Edit):
     op: str = "or"
 
     def apply(self, module):
-        key = _expr_key(self.condition)
+        key = expr_key(self.condition)
         op_cls = {"or": cst.Or, "and": cst.And}[self.op]
 
         def edit(node):
@@ -453,7 +267,7 @@ class WidenCondition(Edit):
             )
             # A parenthesised expression and its content are one anchor, not two.
             outer = [n for n in found if not any(o is not n and _contains(o, n) for o in found)]
-            target = _the_one(outer, f"condition `{_one_line(self.condition)}`")
+            target = the_one(outer, f"condition `{one_line(self.condition)}`")
             return replace_node(node, target, lambda old: self._widen(old, op_cls))
 
         return at_symbol(module, self.symbol, edit)
@@ -504,7 +318,7 @@ class GuardStatement(Edit):
 
         def edit(node):
             found = find_all(node, anchor.matches)
-            target = _the_one(found, str(anchor), "" if found else _closest(node, anchor))
+            target = the_one(found, str(anchor), "" if found else closest_hint(node, anchor))
             return node.visit(_GuardRun(target, last, self._guard))
 
         return at_symbol(module, self.symbol, edit)
@@ -564,7 +378,7 @@ class WrapStatement(Edit):
     rename: Optional[Tuple[str, str]] = None
 
     def _calls(self, node) -> list:
-        key = _expr_key(self.call)
+        key = expr_key(self.call)
         return find_all(node, lambda n: isinstance(n, cst.Call) and _safe_key(n.func) == key)
 
     def apply(self, module):
@@ -574,7 +388,7 @@ class WrapStatement(Edit):
                 for s in find_all(node, lambda n: isinstance(n, cst.SimpleStatementLine))
                 if self._calls(s)
             ]
-            target = _the_one(found, f"statement calling `{self.call}(...)`")
+            target = the_one(found, f"statement calling `{self.call}(...)`")
             return replace_node(node, target, self._wrap)
 
         return at_symbol(module, self.symbol, edit)
@@ -582,9 +396,9 @@ class WrapStatement(Edit):
     def _wrap(self, stmt: cst.SimpleStatementLine) -> cst.With:
         if self.rename is not None:
             old, new = self.rename
-            call = _the_one(self._calls(stmt), f"call of `{self.call}(...)`")
+            call = the_one(self._calls(stmt), f"call of `{self.call}(...)`")
             hits = [a for a in call.args if isinstance(a.value, cst.Name) and a.value.value == old]
-            _the_one(hits, f"argument `{old}` of `{self.call}(...)`")
+            the_one(hits, f"argument `{old}` of `{self.call}(...)`")
             args = [a.with_changes(value=cst.Name(new)) if a in hits else a for a in call.args]
             stmt = replace_node(stmt, call, lambda c: c.with_changes(args=args))
         shell = cst.parse_statement(f"with {self.context}:\n    pass\n")
@@ -613,109 +427,18 @@ class ReplaceBody(Edit):
 
         def edit(node):
             if isinstance(node, cst.ClassDef):
-                rest = node.body.body[1:] if _has_docstring(node.body) else node.body.body
+                rest = node.body.body[1:] if has_docstring(node.body) else node.body.body
                 if [code_of(s).strip() for s in rest] != ["pass"]:
                     raise AnchorError(f"class `{self.symbol}` has a body; insert into it instead")
             elif not isinstance(node, cst.FunctionDef):
                 raise AnchorError(f"`{self.symbol}` is not a function")
-            keep = list(node.body.body[:1]) if _has_docstring(node.body) else []
+            keep = list(node.body.body[:1]) if has_docstring(node.body) else []
             return node.with_changes(body=node.body.with_changes(body=keep + stmts))
 
         return at_symbol(module, self.symbol, edit)
 
     def describe(self):
         return f"body replaced by {len(parse_statements(self.code))} statement(s) of ours"
-
-
-# -- imports ---------------------------------------------------------------------------------
-
-
-def _import_from_module(stmt) -> Optional[str]:
-    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
-        return None
-    node = stmt.body[0]
-    if isinstance(node, cst.ImportFrom) and not node.relative and node.module is not None:
-        return code_of(node.module)
-    if isinstance(node, cst.Import):
-        return code_of(node.names[0].name)
-    return None
-
-
-def _isort_name_key(name: str):
-    # isort's default order_by_type: CONSTANTS, Classes, functions; alphabetical within each.
-    kind = 0 if name.isupper() else 1 if name[:1].isupper() else 2
-    return (kind, name.lower())
-
-
-def _render_import(module: str, names: Sequence[str]) -> cst.SimpleStatementLine:
-    one = f"from {module} import {', '.join(names)}\n"
-    if len(one) - 1 <= LINE_LENGTH:
-        return cst.parse_statement(one)
-    lines = "".join(f"    {n},\n" for n in names)
-    return cst.parse_statement(f"from {module} import (\n{lines})\n")
-
-
-@dataclass(frozen=True)
-class AddImport(Edit):
-    """``from module import names`` at module level: merged into an existing import of the same
-    module, else placed in order among the file's top-level ``sglang`` imports."""
-
-    module: str = ""
-    names: Tuple[str, ...] = ()
-    symbol: str = ""
-
-    def apply(self, module):
-        body = list(module.body)
-        for i, stmt in enumerate(body):
-            if _import_from_module(stmt) != self.module:
-                continue
-            if not isinstance(stmt.body[0], cst.ImportFrom):
-                continue
-            node = stmt.body[0]
-            if isinstance(node.names, cst.ImportStar):
-                return module
-            have = [code_of(a.name) for a in node.names if a.asname is None]
-            missing = [n for n in self.names if n not in have]
-            if not missing:
-                return module
-            if any(a.asname is not None for a in node.names):
-                raise AnchorError(f"`from {self.module} import ...` renames a name; merge by hand")
-            names = sorted(have + missing, key=_isort_name_key)
-            new = _render_import(self.module, names)
-            body[i] = new.with_changes(leading_lines=stmt.leading_lines)
-            return module.with_changes(body=body)
-        new = _render_import(self.module, sorted(self.names, key=_isort_name_key))
-        top = []  # indices of the leading top-level imports
-        for i, stmt in enumerate(body):
-            mod = _import_from_module(stmt)
-            if mod is not None:
-                top.append((i, mod))
-            elif top and not _is_docstring_or_future(stmt):
-                break
-        if not top:
-            raise AnchorError("no top-level import block to add an import to")
-        ours = [(i, m) for i, m in top if m.split(".")[0] == self.module.split(".")[0]]
-        candidates = ours or top
-        at = next((i for i, m in candidates if m > self.module), candidates[-1][0] + 1)
-        if at == candidates[0][0]:  # first of its group: the blank line above the group is ours
-            lines = list(body[at].leading_lines)
-            blank = 0
-            while blank < len(lines) and lines[blank].comment is None:
-                blank += 1
-            new = new.with_changes(leading_lines=lines[:blank])
-            body[at] = body[at].with_changes(leading_lines=lines[blank:])
-        body.insert(at, new)
-        return module.with_changes(body=body)
-
-    def describe(self):
-        return f"import `{', '.join(self.names)}` from `{self.module}`"
-
-
-def _is_docstring_or_future(stmt) -> bool:
-    if not isinstance(stmt, cst.SimpleStatementLine):
-        return False
-    node = stmt.body[0]
-    return isinstance(node, cst.Expr) and isinstance(node.value, cst.SimpleString)
 
 
 @dataclass(frozen=True)
@@ -729,19 +452,19 @@ class ReplaceKeywordArgument(Edit):
     value: str = ""
 
     def apply(self, module):
-        func_key, old_key = _expr_key(self.call), _expr_key(self.old)
+        func_key, old_key = expr_key(self.call), expr_key(self.old)
 
         def edit(node):
             calls = find_all(
                 node, lambda n: isinstance(n, cst.Call) and _safe_key(n.func) == func_key
             )
-            target = _the_one(calls, f"call of `{self.call}(...)`")
+            target = the_one(calls, f"call of `{self.call}(...)`")
             args = [a for a in target.args if a.keyword is not None
                     and a.keyword.value == self.keyword]  # fmt: skip
-            arg = _the_one(args, f"`{self.call}(...)` argument `{self.keyword}=`")
+            arg = the_one(args, f"`{self.call}(...)` argument `{self.keyword}=`")
             if _safe_key(arg.value) != old_key:
                 raise AnchorError(
-                    f"`{self.call}(...)` passes `{self.keyword}={_one_line(code_of(arg.value))}`"
+                    f"`{self.call}(...)` passes `{self.keyword}={one_line(code_of(arg.value))}`"
                     f", not `{self.old}`"
                 )
             new = cst.parse_expression(self.value)
@@ -754,63 +477,6 @@ class ReplaceKeywordArgument(Edit):
 
     def anchors(self):
         return (self.call, self.old)
-
-
-@dataclass(frozen=True)
-class AddParameter(Edit):
-    """Give the function ``symbol`` one more parameter with a default (our code), after its
-    last positional-or-keyword parameter, laid out as its parameters are (one per line, or on
-    one line). A function with ``*args`` or keyword-only parameters gets it keyword-only."""
-
-    name: str = ""
-    default: str = "None"
-    annotation: Optional[str] = None
-
-    def apply(self, module):
-        def edit(node):
-            if not isinstance(node, cst.FunctionDef):
-                raise AnchorError(f"`{self.symbol}` is not a function")
-            p = node.params
-            every = list(p.posonly_params) + list(p.params) + list(p.kwonly_params)
-            if any(q.name.value == self.name for q in every):
-                raise AnchorError(f"`{self.symbol}` already has a parameter `{self.name}`")
-            keyword_only = p.star_arg is not cst.MaybeSentinel.DEFAULT or bool(p.kwonly_params)
-            field = "kwonly_params" if keyword_only else "params"
-            params = list(getattr(p, field))
-            if not params:
-                raise AnchorError(f"`{self.symbol}` has no {field} to follow")
-            spaced = self.annotation is not None  # black: `x: T = None`, `x=None`
-            ws = cst.SimpleWhitespace(" " if spaced else "")
-            new = cst.Param(
-                name=cst.Name(self.name),
-                annotation=(
-                    cst.Annotation(cst.parse_expression(self.annotation)) if spaced else None
-                ),
-                equal=cst.AssignEqual(whitespace_before=ws, whitespace_after=ws),
-                default=cst.parse_expression(self.default),
-            )
-            last = params[-1]
-            if len(params) >= 2 and isinstance(params[-2].comma, cst.Comma):
-                between = params[-2].comma
-            elif isinstance(last.comma, cst.Comma):
-                between = last.comma
-            else:
-                between = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
-            # the break before ")" (in the last parameter's comma or after it) stays at the end
-            params[-1] = last.with_changes(
-                comma=between, whitespace_after_param=cst.SimpleWhitespace("")
-            )
-            params.append(
-                new.with_changes(comma=last.comma, whitespace_after_param=last.whitespace_after_param)
-            )
-            return node.with_changes(params=p.with_changes(**{field: params}))
-
-        return at_symbol(module, self.symbol, edit)
-
-    def describe(self):
-        if self.annotation:
-            return f"parameter `{self.name}: {self.annotation} = {self.default}` added"
-        return f"parameter `{self.name}={self.default}` added"
 
 
 @dataclass(frozen=True)
@@ -827,7 +493,7 @@ class ReplaceStatement(Edit):
 
         def edit(node):
             found = find_all(node, anchor.matches)
-            _the_one(found, str(anchor), "" if found else _closest(node, anchor))
+            the_one(found, str(anchor), "" if found else closest_hint(node, anchor))
             return node.visit(_ReplaceInBlock(found[0], stmts))
 
         return at_symbol(module, self.symbol, edit)
@@ -869,13 +535,13 @@ class AddElif(Edit):
     code: str = ""
 
     def apply(self, module):
-        key = _expr_key(self.after_test)
+        key = expr_key(self.after_test)
 
         def edit(node):
             found = find_all(
                 node, lambda n: isinstance(n, cst.If) and _safe_key(n.test) == key
             )
-            target = _the_one(found, f"`if`/`elif` on `{_one_line(self.after_test)}`")
+            target = the_one(found, f"`if`/`elif` on `{one_line(self.after_test)}`")
             branch = cst.If(
                 test=cst.parse_expression(self.test),
                 body=cst.IndentedBlock(body=parse_statements(self.code)),
@@ -890,69 +556,3 @@ class AddElif(Edit):
 
     def anchors(self):
         return (self.after_test,)
-
-
-@dataclass(frozen=True)
-class AddMethod(Edit):
-    """Add our method (or methods) to the class ``symbol``: after the method ``after``, or
-    at the end of the class body; one blank line above each, as black lays methods out."""
-
-    code: str = ""
-    after: Optional[str] = None
-
-    def apply(self, module):
-        defs = [
-            s.with_changes(
-                leading_lines=[cst.EmptyLine(indent=False)]
-                + [line for line in s.leading_lines if line.comment is not None]
-            )
-            for s in parse_statements(self.code)
-        ]
-
-        def edit(node):
-            if not isinstance(node, cst.ClassDef):
-                raise AnchorError(f"`{self.symbol}` is not a class")
-            body = list(node.body.body)
-            names = [getattr(getattr(s, "name", None), "value", None) for s in body]
-            for d in defs:
-                if d.name.value in names:
-                    raise AnchorError(f"`{self.symbol}` already has `{d.name.value}`")
-            if self.after is None:
-                at = len(body)
-            else:
-                hits = [i for i, n in enumerate(names) if n == self.after]
-                at = _the_one(hits, f"method `{self.after}`") + 1
-            body[at:at] = defs
-            return node.with_changes(body=node.body.with_changes(body=body))
-
-        return at_symbol(module, self.symbol, edit)
-
-    def describe(self):
-        names = [s.name.value for s in parse_statements(self.code)]
-        return f"method(s) {', '.join(f'`{n}`' for n in names)} added"
-
-
-@dataclass(frozen=True)
-class AddClassAttribute(Edit):
-    """Add ``name: annotation = value`` (or ``name = value``) to the class ``symbol``, after its
-    docstring and existing class-level assignments."""
-
-    code: str = ""
-
-    def apply(self, module):
-        stmts = parse_statements(self.code)
-
-        def edit(node):
-            if not isinstance(node, cst.ClassDef):
-                raise AnchorError(f"`{self.symbol}` is not a class")
-            body = list(node.body.body)
-            at = 1 if _has_docstring(node.body) else 0
-            while at < len(body) and isinstance(body[at], cst.SimpleStatementLine):
-                at += 1
-            body[at:at] = stmts
-            return node.with_changes(body=node.body.with_changes(body=body))
-
-        return at_symbol(module, self.symbol, edit)
-
-    def describe(self):
-        return f"class attribute `{_one_line(self.code)}` added"

@@ -1,9 +1,10 @@
 """The patch series: the pull requests of ``series/``, in order.
 
 Each ``series/NN_<name>.py`` defines ``PR``, one :class:`PullRequest`: the commit message a
-reviewer reads, our edits of upstream files (:mod:`.cst_edits`, anchored on symbols, never on
-line numbers) and the files the PR adds, which live in this repository at their in-tree paths
-(``python/sglang/...``, ``test/registered/...``). :func:`apply_pr` turns one PR into the new
+reviewer reads, our edits of upstream files (:mod:`.cst_edits`, :mod:`.cst_declaration_edits`;
+anchored on symbols by :mod:`.cst_anchors`, never on line numbers) and the files the PR adds,
+which live in this repository at their in-tree paths (``python/sglang/...``,
+``test/registered/...``). :func:`apply_pr` turns one PR into the new
 text of every file it touches, given a reader of the tree it applies to; nothing here stores
 upstream code.
 """
@@ -129,7 +130,10 @@ def apply_series(prs: List[PullRequest], read: Reader) -> Dict[str, str]:
 # The modules of this package that decide the installed tree. The commands around them
 # (export-patches, install's command line) are left out: editing those must not make every
 # developer's environment stale (the test session refuses a stale one).
-APPLIER_MODULES = ("cst_edits.py", "errors.py", "series.py", "install.py")
+APPLIER_MODULES = (
+    "cst_anchors.py", "cst_edits.py", "cst_declaration_edits.py", "errors.py", "series.py",
+    "install.py",
+)
 
 
 def fingerprint() -> str:
