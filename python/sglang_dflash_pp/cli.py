@@ -9,7 +9,8 @@
 * ``export-patches``: write the series as commits onto an sglang tree (``git am``-able).
 * ``install``: apply the series to the sglang installed in this environment.
 
-Each command lives in its own module, which gives ``add_parser(sub)`` and ``run(args)``.
+Each command lives in its own module, which gives ``add_parser(sub)`` and ``run(args)``; only
+one that sets ``TAKES_LAUNCH_ARGUMENTS`` (``check``) is given arguments it does not define.
 Exit codes: :mod:`sglang_dflash_pp.tools.exit_codes`.
 """
 
@@ -44,5 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    command = importlib.import_module(COMMANDS[args.command])
+    if rest and not getattr(command, "TAKES_LAUNCH_ARGUMENTS", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
-    return importlib.import_module(COMMANDS[args.command]).run(parser, args)
+    return command.run(parser, args)

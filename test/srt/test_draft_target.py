@@ -81,7 +81,8 @@ def test_the_llama_pair_with_its_tokenizer_passes(llama_pair):
     ("draft", lambda c: c["dflash_config"].update(target_layer_ids=[19, 37, 93]),
      "target_layer_ids", "target_layer_ids[2]=93, target_num_layers=93"),
     ("draft", lambda c: c["dflash_config"].update(mask_token_id=163840), "mask token",
-     "mask_token_id 163840 is outside the target's vocabulary (163840 tokens)"),
+     "DFLASH mask_token_id is outside the target vocab size. mask_token_id=163840, "
+     "vocab_size=163840."),
     ("draft", lambda c: c.update(layer_types=["sliding_attention"] * 5), "layer types",
      "the draft has 6 layers but 5 layer_types"),
     ("draft", lambda c: c.pop("sliding_window"), "layer types",
@@ -131,20 +132,43 @@ def test_a_mask_token_the_tokenizer_places_elsewhere_is_refused(tmp_path, llama_
     moved = edited(tmp_path, draft, "draft", lambda c: c["dflash_config"].update(
         mask_token="<|mask|>", mask_token_id=300))  # fmt: skip
     got = refusals(check_draft(target, moved))
-    assert got == {"mask token": "mask_token_id 300, but the target's tokenizer has "
-                   "'<|mask|>' at 260: fix dflash_config.mask_token_id"}  # fmt: skip
+    assert got == {"mask token": "DFLASH config mismatch: dflash_config.mask_token_id conflicts "
+                   "with tokenizer vocab id for dflash_config.mask_token. mask_token='<|mask|>', "
+                   "mask_token_id=300, tokenizer_vocab_id=260. (sglang's "
+                   "DFlashWorkerV2._resolve_mask_token_id)"}  # fmt: skip
+
+
+def test_a_mask_token_the_tokenizer_lacks_is_added_as_the_server_adds_it(tmp_path, llama_pair):
+    """sglang adds a missing mask token to the target's tokenizer: a note where the target's
+    vocabulary has room for it, refused where it has not (the byte tokenizer fills 512)."""
+    target, draft = llama_pair
+
+    def new_mask(c):
+        c["dflash_config"]["mask_token"] = "<|new mask|>"
+        c["dflash_config"].pop("mask_token_id", None)
+
+    full = refusals(check_draft(target, edited(tmp_path, draft, "draft", new_mask)))
+    assert full["mask token"].startswith("DFLASH mask_token_id is outside the target vocab "
+                                         "size. mask_token_id=512, vocab_size=512."), full
+    roomy = edited(tmp_path, target, "roomy", lambda c: c.update(vocab_size=640))
+    draft = edited(tmp_path, draft, "draft640", lambda c: (c.update(vocab_size=640), new_mask(c)))
+    findings = check_draft(roomy, draft)
+    assert refusals(findings) == {}
+    note = [f.message for f in findings if f.check == "mask token"]
+    assert note == ["mask token id 512 ('<|new mask|>'), not in the target's tokenizer: the "
+                    "server adds it"], note
 
 
 def test_check_runs_them_and_check_draft_exits_by_them(tmp_path, capsys, patched_sglang):
     bad = edited(tmp_path, K3_DRAFT, "draft", lambda c: c.update(vocab_size=1000))
     code = main(["check-draft", "--target", K3_TARGET, "--draft", bad, "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert code == 3 and not out["accepted"]
+    assert code == 4 and not out["matches_target"]
     assert [f["check"] for f in out["findings"] if f["refused"]] == ["vocabulary"]
     assert main(["check-draft", "--target", K3_TARGET, "--draft", K3_DRAFT]) == 0
     assert "No refusal." in capsys.readouterr().out
     code = main(["check", "--json", "--example", "kimi-k3", "--",
                  "--speculative-draft-model-path", bad])  # fmt: skip
     report = json.loads(capsys.readouterr().out)
-    assert code == 3
-    assert [r["source"] for r in report["refusals"]] == ["draft against target: vocabulary"]
+    assert code == 4 and report["accepted"] and not report["draft_matches_target"]
+    assert [f["check"] for f in report["draft_target"] if f["refused"]] == ["vocabulary"]

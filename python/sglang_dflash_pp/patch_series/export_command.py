@@ -36,8 +36,6 @@ def add_parser(sub) -> None:
 def run(parser, args) -> int:
     from sglang_dflash_pp.patch_series.errors import ExportError
 
-    if args.rest:
-        parser.error(f"unrecognized arguments: {' '.join(args.rest)}")
     if not args.check and not args.out:
         parser.error("export-patches needs --out (or --check)")
     try:

@@ -18,7 +18,5 @@ def add_parser(sub) -> None:
 def run(parser, args) -> int:
     from sglang_dflash_pp.patch_series.install import install
 
-    if args.rest:
-        parser.error(f"unrecognized arguments: {' '.join(args.rest)}")
     install(args.upto)
     return EXIT_OK

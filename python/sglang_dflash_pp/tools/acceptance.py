@@ -88,8 +88,7 @@ def summarize(answers: Sequence[Answer]) -> dict:
         histogram=hist,
         steps_accepting_at_least=at_least,
         position_acceptance=[at_least[k] / at_least[0] for k in range(1, width)],
-        conditional_acceptance=[at_least[k] / at_least[k - 1] if at_least[k - 1] else None
-                                for k in range(1, width)],  # fmt: skip
+        conditional_acceptance=[_rate(at_least, k) for k in range(1, width)],
     )
 
 
@@ -123,7 +122,7 @@ def compare(reference: dict, deployment: dict, *, alpha: float = 0.01,
     change = (b - a) / a
     if parting is None and abs(change) <= threshold:
         verdict, text = "equal", (
-            f"equal: {b:.3f} vs {a:.3f} tokens per verify step (verify-step weighted), no "
+            f"equal: {a:.3f} vs {b:.3f} tokens per verify step (verify-step weighted), no "
             f"draft position parts (alpha {alpha})")
     else:
         lower = change < 0 if parting is None else parting["deployment"] < parting["reference"]

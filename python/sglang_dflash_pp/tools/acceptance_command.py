@@ -13,6 +13,7 @@ import concurrent.futures
 import json
 import os
 import sys
+import textwrap
 
 from sglang_dflash_pp.tools.exit_codes import EXIT_FAILED, EXIT_OK
 
@@ -85,8 +86,6 @@ def collect(url: str, name: str, prompts: list, args) -> list:
 def run(parser, args) -> int:
     from sglang_dflash_pp.tools import acceptance as acc
 
-    if args.rest:
-        parser.error(f"acceptance: unknown arguments {args.rest}")
     prompts = load_prompts(args.prompts, args.num_prompts)
     if not prompts:
         parser.error(f"acceptance: {args.prompts} holds no prompt")
@@ -122,16 +121,19 @@ def table(report: dict) -> str:
     lines.append(f"{'outputs equal':44s} {report['outputs_equal']:>11d} of {report['requests']}")
     lines += ["", "draft position  P(acc >= k) ref   dep   P(acc >= k | k-1) ref   dep   p-value"]
     for k, row in enumerate(cmp["positions"], 1):
-        fmt = lambda v: "  n/a" if v is None else f"{v:5.3f}"  # noqa: E731
-        lines.append(f"{k:14d}  {ref['position_acceptance'][k - 1]:13.3f} "
-                     f"{_at(dep['position_acceptance'], k):5.3f}  {fmt(row['reference']):>21s} "
-                     f"{fmt(row['deployment'])}  {row['p_value']:7.2g}")  # fmt: skip
+        lines.append(f"{k:14d}  {_at(ref['position_acceptance'], k):13.3f} "
+                     f"{_at(dep['position_acceptance'], k):5.3f}  {_rate(row['reference']):>21s} "
+                     f"{_rate(row['deployment'])}  {row['p_value']:7.2g}")  # fmt: skip
     lines += ["", f"verdict: {cmp['text']}", f"test: {cmp['test']}"]
     return "\n".join(lines)
 
 
 def _num(value) -> str:
     return f"{int(value):>11d}" if float(value).is_integer() else f"{value:>11.3f}"
+
+
+def _rate(value) -> str:
+    return "  n/a" if value is None else f"{value:5.3f}"
 
 
 def _at(values: list, k: int) -> float:
@@ -153,8 +155,6 @@ def plot(report: dict, path: str) -> None:
     if parting is not None:
         ax.axvline(parting["position"], color="red", alpha=0.4,
                    label=f"first parting position ({parting['position']})")  # fmt: skip
-    import textwrap
-
     width = len(report["reference"]["position_acceptance"])
     ax.set(xlabel="draft position k", ylabel="verify steps accepting >= k drafts",
            ylim=(0, 1.05), xticks=range(1, width + 1))  # fmt: skip

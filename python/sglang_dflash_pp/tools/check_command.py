@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 
 from sglang_dflash_pp.tools import examples
-from sglang_dflash_pp.tools.exit_codes import EXIT_OK, EXIT_REFUSED
+from sglang_dflash_pp.tools.exit_codes import EXIT_MISMATCH, EXIT_OK, EXIT_REFUSED
+
+# What follows ``--`` is the prefill's launch command line.
+TAKES_LAUNCH_ARGUMENTS = True
 
 
 def add_parser(sub) -> None:
@@ -20,8 +23,8 @@ def add_parser(sub) -> None:
         help="topology report and startup refusals of a DFLASH P/D deployment",
         description="Resolve the prefill's launch arguments (after '--') with sglang's ServerArgs; "
         "report its PP stages, draft KV transfer and every refusal startup would raise.",
-        epilog="exit codes: 0 accepted, 2 usage, 3 refused. "
-        "Example: sglang-dflash-pp check --example kimi-k3",
+        epilog="exit codes: 0 accepted, 2 usage, 3 refused, 4 the draft does not match its "
+        "target. Example: sglang-dflash-pp check --example kimi-k3",
     )
     p.add_argument("--example", choices=sorted(examples.NAMES), help="a packaged deployment")
     p.add_argument("--decode-tp-size", type=int, help="D attention TP (required without --example)")
@@ -55,4 +58,6 @@ def run(parser, args) -> int:
     except UsageError as e:
         parser.error(f"check: {e}")
     print(json.dumps(report, indent=1) if args.json else render(report))
-    return EXIT_OK if report["accepted"] else EXIT_REFUSED
+    if not report["accepted"]:
+        return EXIT_REFUSED
+    return EXIT_OK if report.get("draft_matches_target", True) else EXIT_MISMATCH

@@ -30,6 +30,8 @@ def render(rep: dict) -> str:
     else:
         out.append(f"Refusals ({len(rep['refusals'])}): startup would refuse this deployment.")
         out += [f"  - [{r['source']}] {r['message']}" for r in rep["refusals"]]
+    if not rep.get("draft_matches_target", True):
+        out.append("The draft does not match its target (REFUSED above): fix it before serving.")
     return "\n".join(out)
 
 

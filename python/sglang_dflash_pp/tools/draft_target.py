@@ -14,9 +14,10 @@ the way the server reads it. Each finding is a refusal (with what to change) or 
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import List, Optional
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -31,8 +32,11 @@ class Finding:
 
 
 def read_config(path: str) -> dict:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
+    """The checkpoint's ``config.json`` as written (a directory or a hub id), which is what
+    sglang's DFlash readers take."""
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig.get_config_dict(path)[0]
 
 
 def _text(config: dict) -> dict:
@@ -125,40 +129,66 @@ def check_draft(
                  f"{sum(t == 'sliding_attention' for t in types)} of {len(types)} layers")
 
     _rope(draft, target, context_length, refuse, note)
-    for key in ("torch_dtype",):
-        if draft.get(key) != target.get(key):
-            note("dtype", f"the draft's {key} is {draft.get(key)}, the target's "
-                 f"{target.get(key)}; both run in the server's --dtype")  # fmt: skip
+    if draft.get("torch_dtype") != target.get("torch_dtype"):
+        note("dtype", f"the draft's torch_dtype is {draft.get('torch_dtype')}, the target's "
+             f"{target.get('torch_dtype')}; both run in the server's --dtype")  # fmt: skip
     return sorted(out, key=lambda f: not f.refused)
 
 
 def _mask_token(cfg, vocab: int, tokenizer_path: str, trust: bool, refuse, note) -> None:
-    mask_id = cfg.mask_token_id
-    if mask_id is not None and mask_id >= vocab:
-        refuse("mask token", f"mask_token_id {mask_id} is outside the target's vocabulary "
-               f"({vocab} tokens); sglang cannot grow the target's embeddings for it")  # fmt: skip
-        return
+    """The mask token id as the server resolves it (``DFlashWorkerV2._resolve_mask_token_id``:
+    a tokenizer without the token gets it added, refused only past the target's vocabulary)."""
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    # A fresh tokenizer: the resolver adds a missing mask token to the one it is given.
     tokenizer = _load_tokenizer(tokenizer_path, trust)
+    if tokenizer is None and cfg.mask_token_id is None:
+        note("mask token", f"{cfg.mask_token!r} (no target tokenizer files to resolve it with)")
+        return
+    # The two fields of its worker the resolver reads; the TP rank only for its log line.
+    runner = SimpleNamespace(model_config=SimpleNamespace(vocab_size=vocab))
+    worker = SimpleNamespace(target_worker=SimpleNamespace(model_runner=runner,
+                                                           tokenizer=tokenizer))  # fmt: skip
+    added = tokenizer is not None and cfg.mask_token not in tokenizer.get_vocab()
+    with _some_tp_rank(get_parallel()):
+        try:
+            resolved = DFlashWorkerV2._resolve_mask_token_id(
+                worker, mask_token=cfg.mask_token, mask_token_id=cfg.mask_token_id)
+        except (ValueError, RuntimeError) as e:
+            refuse("mask token", f"{e} (sglang's DFlashWorkerV2._resolve_mask_token_id)")
+            return
     if tokenizer is None:
-        note("mask token", f"mask_token_id {mask_id} (no target tokenizer files to check "
+        note("mask token", f"mask_token_id {resolved} (no target tokenizer files to check "
              "its string against)")  # fmt: skip
         return
-    vocab_ids = tokenizer.get_vocab()
-    known = vocab_ids.get(cfg.mask_token)
-    if mask_id is None and known is None:
-        refuse("mask token", f"the draft sets no mask_token_id and the target's tokenizer has "
-               f"no {cfg.mask_token!r}: set dflash_config.mask_token_id")  # fmt: skip
-    elif mask_id is not None and known is not None and known != mask_id:
-        refuse("mask token", f"mask_token_id {mask_id}, but the target's tokenizer has "
-               f"{cfg.mask_token!r} at {known}: fix dflash_config.mask_token_id")  # fmt: skip
+    text = tokenizer.convert_ids_to_tokens(resolved)
+    if added:
+        kind = "not in the target's tokenizer: the server adds it"
+    elif resolved in set(tokenizer.all_special_ids) or text in (tokenizer.get_added_vocab() or {}):
+        kind = "a special token"
     else:
-        resolved = known if mask_id is None else mask_id
-        text = tokenizer.convert_ids_to_tokens(resolved)
-        special = resolved in set(tokenizer.all_special_ids) or text in (
-            tokenizer.get_added_vocab() or {}
-        )
-        kind = "a special token" if special else "an ordinary token, which prompts contain"
-        note("mask token", f"mask token id {resolved} ({text!r}), {kind}")
+        kind = "an ordinary token, which prompts contain"
+    note("mask token", f"mask token id {resolved} ({text!r}), {kind}")
+
+
+def _some_tp_rank(parallel):
+    """The resolver reads the TP rank (for a log line) when it adds the token. ``check`` runs
+    in the prefill's runtime context (a TP size, no rank), ``check-draft`` in none; reading an
+    unwritten name raises."""
+
+    def written(name: str) -> bool:
+        try:
+            getattr(parallel, name)
+        except (RuntimeError, ValueError):
+            return False
+        return True
+
+    if written("tp_rank"):
+        return contextlib.nullcontext()
+    if written("tp_size"):
+        return parallel.override(tp_rank=0)
+    return parallel.override(tp_rank=0, tp_size=1)
 
 
 def _has_tokenizer(path: Optional[str]) -> bool:

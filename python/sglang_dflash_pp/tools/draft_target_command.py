@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from sglang_dflash_pp.tools.exit_codes import EXIT_OK, EXIT_REFUSED
+from sglang_dflash_pp.tools.exit_codes import EXIT_MISMATCH, EXIT_OK
 
 
 def add_parser(sub) -> None:
@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
         description="Compare a DFlash draft checkpoint with its target: vocabulary and tokenizer, "
         "mask token, target_layer_ids (and PP stages), RoPE, block size, layer types and "
         "sliding window, hidden size, dtypes.",
-        epilog="exit codes: 0 accepted, 2 usage, 3 refused.",
+        epilog="exit codes: 0 the draft matches its target, 2 usage, 4 it does not.",
     )
     p.add_argument("--target", required=True, help="the target checkpoint directory")
     p.add_argument("--draft", required=True, help="the DFlash draft checkpoint directory")
@@ -34,8 +34,6 @@ def add_parser(sub) -> None:
 def run(parser, args) -> int:
     from sglang_dflash_pp.tools.draft_target import as_dicts, check_draft, render
 
-    if args.rest:
-        parser.error(f"check-draft: unknown arguments {args.rest}")
     findings = check_draft(
         args.target, args.draft, tokenizer_path=args.tokenizer,
         num_draft_tokens=args.num_draft_tokens, context_length=args.context_length,
@@ -43,9 +41,9 @@ def run(parser, args) -> int:
     )
     refused = [f for f in findings if f.refused]
     if args.json:
-        print(json.dumps(dict(accepted=not refused, findings=as_dicts(findings)), indent=1))
+        print(json.dumps(dict(matches_target=not refused, findings=as_dicts(findings)), indent=1))
     else:
         print(f"sglang-dflash-pp check-draft: draft {args.draft} against target {args.target}")
         print("\n".join(render(findings)))
         print(f"\n{len(refused)} refusal(s)." if refused else "\nNo refusal.")
-    return EXIT_REFUSED if refused else EXIT_OK
+    return EXIT_MISMATCH if refused else EXIT_OK
