@@ -84,7 +84,7 @@ def build_package(kernel_dir: str) -> str:
     return root
 
 
-def side(name: str, mla_layers: int, draft_heads: int, tp: int):
+def side(mla_layers: int, draft_heads: int, tp: int):
     """The pools of one rank, filled with random words, and a request's slots."""
     import torch
 
@@ -158,12 +158,12 @@ def gpu(reps: int, warmup: int, kernel_dir: str, out: str) -> None:
 
     sides = {
         "prefill_last_stage_rank": (
-            side("P", STAGE_MLA_LAYERS, DRAFT_HEADS // TP_P, TP_P),
+            side(STAGE_MLA_LAYERS, DRAFT_HEADS // TP_P, TP_P),
             TOKENS * (2 * DRAFT_LAYERS * HEAD_DIM * 2) * TP_D // TP_P  # draft, 8 ranks
             + TOKENS * STAGE_MLA_LAYERS * LATENT * 2 * TP_D // TP_P,  # latent, 8 ranks
         ),
         "decode_rank": (
-            side("D", MLA_LAYERS, DRAFT_HEADS // TP_D or 1, TP_D),
+            side(MLA_LAYERS, DRAFT_HEADS // TP_D or 1, TP_D),
             TOKENS * (MLA_LAYERS * LATENT * 2 + 2 * DRAFT_LAYERS * HEAD_DIM * 2),
         ),
     }
@@ -176,6 +176,8 @@ def gpu(reps: int, warmup: int, kernel_dir: str, out: str) -> None:
             int(reference[i, h]) for i, b in enumerate(checksum.buffers)
             for h in range(b.data.shape[1])
         ]  # fmt: skip
+        if not equal:
+            raise SystemExit(f"{name}: the sums differ from the torch reference")
         samples = {"gpu_us": [], "host_us": []}
         for i in range(warmup + reps):
             # GPU: what compute launches (zero the sums, the kernel, the modulo).

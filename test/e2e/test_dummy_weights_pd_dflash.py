@@ -24,7 +24,7 @@ import pytest
 import cpu_servers
 import e2e_models as models
 from deployment_args import CHUNK, DECODE_ARGS, prefill_args, server_args
-from test_kv_checksum import CHECKSUM, checksum_counts
+from kv_checksum_counts import CHECKED_DECODE, CHECKSUM, checksum_counts
 from deployments import Deployment
 from draft_kv_dumps import fp32_draft_kv_tolerance, read_dumps
 
@@ -54,7 +54,7 @@ def dummy(e2e_root, stub_root):
         launch("P1", server_args(draft, *prefill_args(boot1), *DUMMY, CHECKSUM), pd=True)
         launch("P2", server_args(draft, *prefill_args(boot2), *DUMMY, "--pp-size", "2",
                                  CHECKSUM), pd=True, ranks=2)
-        launch("D", server_args(draft, *DECODE_ARGS, *DUMMY, CHECKSUM, "--enable-metrics"),
+        launch("D", server_args(draft, *DECODE_ARGS, *DUMMY, *CHECKED_DECODE),
                pd=True,
                env={"SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": dump})
         for name, p, boot in (("router-b", "P1", boot1), ("router-c", "P2", boot2)):

@@ -32,7 +32,8 @@ import e2e_models as models
 from deployments import Deployment
 from deployment_args import DECODE_ARGS, ROUTER_ARGS, prefill_args
 from draft_kv_dumps import read_dumps
-from test_kv_checksum import CHECKSUM, INJECT_ENV, checksum_counts, mismatch_lines
+from kv_checksum_counts import (CHECKED_DECODE, CHECKSUM, INJECT_ENV, checksum_counts,
+                                mismatch_lines)
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +78,7 @@ def k3(e2e_root, stub_root):
         launch("A", [])
         launch("P1", prefill_args(boot1) + [CHECKSUM], pd=True)
         launch("P2", prefill_args(boot2) + ["--pp-size", "2", CHECKSUM], pd=True, ranks=2)
-        launch("D", DECODE_ARGS + [CHECKSUM, "--enable-metrics"], pd=True,
+        launch("D", DECODE_ARGS + [*CHECKED_DECODE], pd=True,
                env={"SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": dump, INJECT_ENV: inject})
         for name, (p, boot) in (("router-b", ("P1", boot1)), ("router-c", ("P2", boot2))):
             dep.add(cpu_servers.launch_pd_router(name, root, [(dep[p].base_url, boot)],
@@ -90,7 +91,10 @@ def k3(e2e_root, stub_root):
                   for i, p in enumerate(PROMPTS)]
             for key, url in urls.items()
         }
-        yield {"outputs": outputs, "dump": dump, "dep": dep, "inject": inject}
+        # What the decode counted of the transfers above, before any test sends more.
+        counts = checksum_counts(dep["D"])
+        yield {"outputs": outputs, "dump": dump, "dep": dep, "inject": inject,
+               "checksum_counts": counts}
     finally:
         dep.kill()
 
@@ -143,12 +147,12 @@ def test_k3_every_transfer_is_verified(k3):
     """P1 -> D by upstream's digest (equal layouts), P2 -> D by the placement-keyed sums of
     the MLA latent, the draft KV and the KDA state."""
     transfers = len(k3["outputs"]["b"]) + len(k3["outputs"]["c"])
-    assert checksum_counts(k3["dep"]["D"]) == {"verified": transfers}
+    assert k3["checksum_counts"] == {"verified": transfers}
 
 
 def test_k3_flipped_state_fails_by_name_and_the_next_is_served(k3):
     dep, router = k3["dep"], k3["dep"]["router-c"].base_url
-    seen = len(mismatch_lines(dep["D"]))
+    before = checksum_counts(dep["D"])
     with open(k3["inject"], "w") as f:
         f.write("flip-state")
     try:
@@ -158,11 +162,12 @@ def test_k3_flipped_state_fails_by_name_and_the_next_is_served(k3):
     finally:
         open(k3["inject"], "w").close()
     assert response.status_code != 200, response.text[:500]
-    new = [line for line in mismatch_lines(dep["D"])[seen:] if "req=k3-flip-state " in line]
+    new = mismatch_lines(dep["D"], "k3-flip-state")
     assert len(new) == 1 and re.search(
         r"recurrent state layer \d+ tensor \d+ channel\(s\) \[0\] written by prefill "
         r"rank\(s\) \[0\]$", new[0]), new
+    after = checksum_counts(dep["D"])
+    assert after == {**before, "failed": before.get("failed", 0) + 1}, (before, after)
     again = cpu_servers.generate(router, PROMPTS[1], MAX_NEW_TOKENS, rid="k3-after-flip")
     assert again["output_ids"] == k3["outputs"]["c"][1]["output_ids"]
-    transfers = len(k3["outputs"]["b"]) + len(k3["outputs"]["c"])
-    assert checksum_counts(dep["D"]) == {"verified": transfers + 1, "failed": 1}
+    assert checksum_counts(dep["D"]) == {**after, "verified": after["verified"] + 1}

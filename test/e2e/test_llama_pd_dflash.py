@@ -40,13 +40,11 @@ import e2e_models as models
 from deployments import Deployment
 from deployment_args import CHUNK, DECODE_ARGS, ROUTER_ARGS, prefill_args, server_args
 from draft_kv_dumps import fp32_draft_kv_tolerance, read_dumps
-from test_kv_checksum import checksum_counts
+from kv_checksum_counts import CHECKED_DECODE, CHECKSUM, checksum_counts
 
 pytestmark = pytest.mark.slow
 
 MAX_NEW_TOKENS = 24
-CHECKSUM = "--disaggregation-enable-kv-checksum"
-CHECKED = (CHECKSUM, "--enable-metrics")  # a decode that verifies and counts
 PROMPTS = [
     "hello world, this is",
     "The quick brown fox jumps over the lazy dog. " * 4,  # 180 tokens: three chunks of 64
@@ -96,9 +94,9 @@ def deployments(llama):
         launch("P3", server_args(m["draft"], *prefill_args(boot3), "--pp-size", "2",
                                  "--tp-size", "2", CHECKSUM), pd=True, ranks=4,
                env={"SGLANG_DFLASH_PP_TEST_COLLECTIVE_LOG": m["collectives"]["P3"]})
-        launch("D1", server_args(m["draft"], *DECODE_ARGS, *CHECKED), pd=True, env=decode_env)
-        launch("D2", server_args(m["draft"], *DECODE_ARGS, *CHECKED, "--tp-size", "2"), pd=True,
-               ranks=2, env=decode_env)
+        decode = server_args(m["draft"], *DECODE_ARGS, *CHECKED_DECODE)
+        launch("D1", decode, pd=True, env=decode_env)
+        launch("D2", decode + ["--tp-size", "2"], pd=True, ranks=2, env=decode_env)
         routes = {"router-b": ("P1", boot1, "D1"), "router-c": ("P2", boot2, "D1"),
                   "router-d": ("P2", boot2, "D2"), "router-e": ("P3", boot3, "D1")}
         for name, (p, boot, d) in routes.items():

@@ -45,7 +45,6 @@ requests keep the suite's retry after a Mooncake TCP transport stall (``cpu_serv
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -62,7 +61,7 @@ import cpu_servers
 import deployments
 import e2e_models as models
 from deployment_args import CHUNK, DECODE_ARGS, prefill_args, server_args
-from test_kv_checksum import CHECKSUM, checksum_counts
+from kv_checksum_counts import CHECKED_DECODE, CHECKSUM, checksum_counts
 from deployments import Deployment
 
 pytestmark = pytest.mark.slow
@@ -127,8 +126,7 @@ def fx(e2e_root, stub_root):
     try:
         p = launch("P", server_args(draft, *prefill_args(f.boot), "--pp-size", "2", CHECKSUM),
                    env={**STRICT_IDLE, "SGLANG_DFLASH_PP_TEST_IDLE_CHECK_DIR": f.idle["P"]})
-        d = launch("D", server_args(draft, *DECODE_ARGS, "--tp-size", "2", CHECKSUM,
-                                    "--enable-metrics"),
+        d = launch("D", server_args(draft, *DECODE_ARGS, "--tp-size", "2", *CHECKED_DECODE),
                    env={**STRICT_IDLE, "SGLANG_DFLASH_PP_TEST_IDLE_CHECK_DIR": f.idle["D"],
                         "SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": f.dump})
         f.dep.add(cpu_servers.launch_pd_router("R", root, [(p.base_url, f.boot)], [d.base_url],

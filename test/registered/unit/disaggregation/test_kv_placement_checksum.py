@@ -24,7 +24,6 @@ from sglang.srt.disaggregation.kv_placement_checksum import (
     KvPlacementChecksum,
     encode_sums,
     find_mismatches,
-    first_kv_head,
 )
 from sglang.srt.mem_cache.memory_pool import (
     HybridLinearKVPool,
@@ -33,6 +32,7 @@ from sglang.srt.mem_cache.memory_pool import (
     MLATokenToKVPool,
 )
 from sglang.test.ci.ci_register import register_cpu_ci
+from test_mooncake_draft_kv_heads import _rank_heads
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 
@@ -83,8 +83,9 @@ class Rank:
 
 
 def head_range(rank, tp, total):
-    first = first_kv_head(rank, tp, total)
-    return list(range(first, first + max(1, total // tp)))
+    """The heads a rank's pools hold, as QKVParallelLinear shards them (not derived from the
+    checksum's own ``first_kv_head``)."""
+    return list(_rank_heads(total, tp, rank))
 
 
 def slots_for(rank_seed: int) -> torch.Tensor:
@@ -134,7 +135,7 @@ class TestKvPlacementChecksum(unittest.TestCase):
         return checksum, slots, target, draft
 
     def test_every_layout_compares_equal(self):
-        layouts = 0
+        """7 x 7 attention TP sizes x 5 head counts: 245 layouts."""
         for heads in HEAD_COUNTS:
             decode_sums = {}
             for d_tp in TP_SIZES:
@@ -147,8 +148,6 @@ class TestKvPlacementChecksum(unittest.TestCase):
                     for d_rank in range(d_tp):
                         mismatch = find_mismatches(decode_sums[d_tp, d_rank], reports)
                         self.assertIsNone(mismatch, (p_tp, d_tp, heads, d_rank))
-                    layouts += 1
-        self.assertEqual(layouts, 245)
 
     def test_every_pp_split_compares_equal(self):
         """The target's 3 layers over 1, 2 or 3 stages, the draft on the last."""
