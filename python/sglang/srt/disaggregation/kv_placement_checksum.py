@@ -92,7 +92,8 @@ def _state_rows(state: torch.Tensor, slice_axis: Optional[int]) -> torch.Tensor:
     """A request's state as ``[1, channels, words]``: the channels TP shards it by
     first (one, for state every rank holds whole), 16- and 8-bit elements widened."""
     state = state.unsqueeze(0) if slice_axis is None else state.movedim(slice_axis, 0)
-    state = state.contiguous()
+    # A copy, never a view into the pool: the kernel is compiled for aligned rows.
+    state = state.clone(memory_format=torch.contiguous_format)
     if state.element_size() < 4:
         narrow = torch.int16 if state.element_size() == 2 else torch.uint8
         state = state.view(narrow).to(torch.int32)
