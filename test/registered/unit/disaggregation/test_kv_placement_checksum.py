@@ -17,6 +17,7 @@ import types
 import unittest
 
 import torch
+from test_mooncake_draft_kv_heads import _rank_heads
 
 from sglang.srt.disaggregation.kv_placement_checksum import (
     DRAFT_KV,
@@ -32,7 +33,6 @@ from sglang.srt.mem_cache.memory_pool import (
     MLATokenToKVPool,
 )
 from sglang.test.ci.ci_register import register_cpu_ci
-from test_mooncake_draft_kv_heads import _rank_heads
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 
@@ -83,8 +83,8 @@ class Rank:
 
 
 def head_range(rank, tp, total):
-    """The heads a rank's pools hold, as QKVParallelLinear shards them (not derived from the
-    checksum's own ``first_kv_head``)."""
+    """The heads a rank's pools hold, as QKVParallelLinear shards them (not derived
+    from the checksum's own ``first_kv_head``)."""
     return list(_rank_heads(total, tp, rank))
 
 
