@@ -6,7 +6,8 @@
 * ``acceptance``: compare a deployment's speculative acceptance with a reference's, position
   by position, through their public ``/generate``.
 * ``check-draft``: check a DFlash draft's config and tokenizer against its target's.
-* ``export-patches``: write the series as commits onto an sglang tree (``git am``-able).
+* ``export-patches``: apply the series as commits onto an sglang tree (``git am``-able);
+  ``update-patches``: write such a tree's commits back to ``patches/``.
 * ``install``: apply the series to the sglang installed in this environment.
 
 Each command lives in its own module, which gives ``add_parser(sub)`` and ``run(args)``; only
@@ -27,6 +28,7 @@ COMMANDS = {
     "check-draft": "sglang_dflash_pp.tools.draft_target_command",
     "export-patches": "sglang_dflash_pp.patch_series.export_command",
     "install": "sglang_dflash_pp.patch_series.install_command",
+    "update-patches": "sglang_dflash_pp.patch_series.export_command",
 }
 
 
@@ -37,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and the deployment check.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in COMMANDS.values():
+    for module in dict.fromkeys(COMMANDS.values()):  # a module may add several commands
         importlib.import_module(module).add_parser(sub)
     return parser
 

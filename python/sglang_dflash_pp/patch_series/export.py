@@ -1,29 +1,32 @@
-"""``export-patches``: the series as commits on an sglang tree, and ``git format-patch`` of them.
+"""The series on an sglang tree: ``export-patches`` (commit it), ``--check`` (would it apply)
+and ``update-patches`` (write a tree's commits back to ``patches/``).
 
-Upstream reviews commits, not our recipes, so each PR of ``series/`` becomes one commit whose
-message is exactly the PR's (:meth:`PullRequest.message`: nothing about this repository). Each
-PR's files come from :func:`apply_pr`, the function ``install`` applies too, so the patches and
-the installed tree cannot differ. A PR is computed in memory before anything is written: an edit
-that does not apply stops the export as ``git am`` would, after the PRs before it, and leaves
-the tree at the last commit. :mod:`.export_check` is the in-memory report for another release.
+``export-patches`` applies ``patches/`` to a tree with ``git am``, one patch at a time, and
+writes ``git format-patch`` of the commits it made with ``report.json`` (per PR: its commit and
+the lines added and removed per file). A patch that does not apply stops it as ``git am`` would,
+after the ones before it. On the pinned release the patches it writes are byte for byte those in
+``patches/``; on a fork they carry the fork's context. ``update-patches`` is the reverse, for
+whoever changes the series: edit the exported tree, commit (``git commit --fixup``, ``git rebase
+--autosquash``), and write its commits since the base back to ``patches/``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from sglang_dflash_pp import SGLANG_VERSION
-from sglang_dflash_pp.patch_series.errors import EditFailed, ExportError
+from sglang_dflash_pp.patch_series.errors import ExportError, PatchFailed
 from sglang_dflash_pp.patch_series.git_repo import ScratchRepo, find_tree, tree_version
 from sglang_dflash_pp.patch_series.series import (
     PACKAGE_PATH,
-    PullRequest,
-    Reader,
-    apply_pr,
-    load_series,
+    PATCHES_DIR,
+    Patch,
+    load_patches,
 )
 
 APPLY_HINT = "git am --keep-non-patch"  # keeps the titles' [Bugfix] / [PD] tags
@@ -50,17 +53,20 @@ class ExportedPR:
         return sum(f.added for f in fs), sum(f.removed for f in fs), len(fs)
 
 
-def select(upto: Optional[str]) -> List[PullRequest]:
-    """The PRs to export; an ``upto`` that names no PR is a usage error, not the whole series."""
-    prs = load_series(upto)
-    if upto is not None and upto not in (prs[-1].name, prs[-1].name[:2]):
-        names = ", ".join(pr.name for pr in prs)
-        raise ExportError(f"--upto {upto}: no such PR in the series ({names})")
-    return prs
+def select(upto: Optional[str]) -> List[Patch]:
+    """The patches to apply; an ``upto`` that names none is a usage error, not the series."""
+    patches = load_patches(upto)
+    if not patches:
+        raise ExportError(f"no patches in {PATCHES_DIR}")
+    if upto is not None and upto not in (patches[-1].number, patches[-1].name,
+                                         patches[-1].path.name, patches[-1].name[:4]):
+        names = ", ".join(p.path.name for p in load_patches())
+        raise ExportError(f"--upto {upto}: no such patch in the series ({names})")
+    return patches
 
 
 def open_tree(src: str, log) -> Tuple[str, Optional[str]]:
-    """The tree's root and release; another release is reported, as anchors may be missing."""
+    """The tree's root and release; another release is reported (hunks may not apply)."""
     root, package_dir = find_tree(src)
     version = tree_version(package_dir)
     if version != SGLANG_VERSION:
@@ -69,72 +75,43 @@ def open_tree(src: str, log) -> Tuple[str, Optional[str]]:
     return root, version
 
 
-def tree_reader(root: str) -> Reader:
-    def read(path: str) -> Optional[str]:
-        full = os.path.join(root, path)
-        if not os.path.isfile(full):
-            return None
-        with open(full) as f:
-            return f.read()
-
-    return read
-
-
-def write_file(root: str, path: str, text: str) -> None:
-    """Replace, never write into, the file: a tree made from the installed package with
-    ``cp -al`` shares its inodes, which must keep the wheel's text. The mode is kept."""
-    full = os.path.join(root, path)
-    os.makedirs(os.path.dirname(full), exist_ok=True)
-    tmp = full + ".export-patches.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    if os.path.exists(full):
-        os.chmod(tmp, os.stat(full).st_mode & 0o7777)
-    os.replace(tmp, full)
-
-
 def _kind(path: str, new: bool) -> str:
     if not path.startswith(PACKAGE_PATH + "/"):
         return "test"
     return "new" if new else "upstream"
 
 
-def export(
-    src: str, out: str, upto: Optional[str] = None, log=print
-) -> Tuple[dict, Optional[EditFailed]]:
-    """Commit the series on ``src``, write its patches and ``report.json`` to ``out``; the
-    report, and the edit that stopped it (None when every PR was committed)."""
-    prs = select(upto)
-    root, version = open_tree(src, log)
-    repo = ScratchRepo(root)
-    repo.ensure(version, log, series_titles=[pr.title for pr in load_series()])
-    base = repo.head()
-    read = tree_reader(root)
-    done: List[ExportedPR] = []
-    failure = None
-    for pr in prs:
+def apply_patches(repo: ScratchRepo, patches: List[Patch]
+                  ) -> Tuple[List[ExportedPR], Optional[PatchFailed]]:
+    done, failure = [], None
+    for patch in patches:
         try:
-            changes: Dict[str, str] = apply_pr(pr, read)
-        except EditFailed as e:
+            commit = repo.am(str(patch.path))
+        except PatchFailed as e:
             failure = e
             break
-        paths = sorted(changes)
-        try:
-            for path in paths:
-                write_file(root, path, changes[path])
-            commit = repo.commit(pr.message(), paths)
-        except BaseException:
-            repo.discard(paths)
-            raise
         files = [FileLines(s.path, _kind(s.path, s.new), s.added, s.removed)
                  for s in repo.numstat(commit)]
-        done.append(ExportedPR(pr.name, pr.title, commit, files))
-    patches = repo.format_patch(base, out) if done else []
+        done.append(ExportedPR(patch.name, patch.title, commit, files))
+    return done, failure
+
+
+def export(src: str, out: str, upto: Optional[str] = None, log=print
+           ) -> Tuple[dict, Optional[PatchFailed]]:
+    """Commit the series on ``src``, write its patches and ``report.json`` to ``out``; the
+    report, and the patch that stopped it (None when every PR was committed)."""
+    patches = select(upto)
+    root, version = open_tree(src, log)
+    repo = ScratchRepo(root)
+    repo.ensure(version, log, series_titles=[p.title for p in load_patches()])
+    base = repo.tag_base()
+    done, failure = apply_patches(repo, patches)
+    written = repo.format_patch(base, out) if done else []
     report = {
         "sglang_version": version,
         "root": root,
         "base": base,
-        "patches": patches,
+        "patches": written,
         "prs": [asdict(pr) for pr in done],
         "stopped": None if failure is None else failure.message(),
     }
@@ -142,11 +119,52 @@ def export(
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     log(render(done))
-    if patches:
-        log(f"{len(patches)} patches in {out}; apply with: {APPLY_HINT} {out}/*.patch")
+    if written:
+        log(f"{len(written)} patches in {out}; apply with: {APPLY_HINT} {out}/*.patch")
     if failure is not None:
         log(f"error: {failure.message()}")
     return report, failure
+
+
+def check(src: str, upto: Optional[str] = None, log=print) -> List[Tuple[Patch, Optional[str]]]:
+    """Which patches apply to ``src`` in order, trying each on a scratch copy of the files the
+    series touches (the tree is not written); a patch that fails is skipped and the next is
+    tried on what applied, so every failing hunk is named at once."""
+    patches = select(upto)
+    root, version = open_tree(src, log)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="sglang-series-check-") as scratch:
+        touched = sorted({p for patch in patches for p, new in patch.files if not new})
+        for path in touched:
+            if os.path.isfile(os.path.join(root, path)):
+                os.makedirs(os.path.dirname(os.path.join(scratch, path)), exist_ok=True)
+                shutil.copyfile(os.path.join(root, path), os.path.join(scratch, path))
+        repo = ScratchRepo(scratch)
+        repo.ensure(version, lambda _: None)
+        for patch in patches:
+            try:
+                repo.am(str(patch.path))
+                results.append((patch, None))
+            except PatchFailed as e:
+                results.append((patch, e.detail))
+    for patch, why in results:
+        log(f"{patch.name}: {'applies' if why is None else 'does not apply'}")
+        if why:
+            log(f"  {why}")
+    ok = sum(why is None for _, why in results)
+    log(f"{ok} of {len(results)} patches apply to sglang {version or '(unknown version)'} "
+        f"at {root}")
+    return results
+
+
+def update_patches(src: str, out: str = str(PATCHES_DIR), log=print) -> List[str]:
+    """Write the commits of a tree made by ``export-patches`` (since its base tag) to ``out``,
+    replacing the series there."""
+    root, _ = find_tree(src)
+    repo = ScratchRepo(root)
+    written = repo.format_patch(repo.base(), out)
+    log(f"{len(written)} patches written to {out} from {root}")
+    return written
 
 
 def render(prs: List[ExportedPR]) -> str:

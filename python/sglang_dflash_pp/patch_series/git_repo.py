@@ -1,4 +1,5 @@
-"""The scratch git repository the series is committed in, and ``git format-patch`` of it.
+"""The git repository the series is applied in (``git am``) and written back from
+(``git format-patch``).
 
 The repository has sglang's own layout: code under ``python/sglang/``, tests under
 ``test/registered/``. It is a checkout of sglang (its root, or its ``python/sglang``), or a
@@ -17,10 +18,14 @@ import subprocess
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from sglang_dflash_pp.patch_series.errors import ExportError
+from sglang_dflash_pp.patch_series.errors import ExportError, PatchFailed
 
 UPSTREAM_PACKAGE_PATH = "python/sglang"  # the package's path in sglang's repository
 UPSTREAM_TEST_PATH = "test/registered"  # where sglang's repository keeps its registered tests
+BASE_TAG = "sglang-dflash-pp-base"  # the release commit the series is applied on
+# Deterministic patches: the same commits always give the same bytes, so a fresh export
+# compares equal to patches/ (no commit ids, full blob ids, no git version).
+FORMAT_PATCH = ("format-patch", "--zero-commit", "--full-index", "--no-signature")
 FALLBACK_IDENTITY = {
     "GIT_AUTHOR_NAME": "sglang-dflash-pp export-patches",
     "GIT_AUTHOR_EMAIL": "export-patches@sglang-dflash-pp.invalid",
@@ -181,19 +186,28 @@ class ScratchRepo:
 
     # -- commits -------------------------------------------------------------------------
 
-    def commit(self, message: str, paths: Sequence[str]) -> str:
-        """Commit ``paths`` (relative to the root: what the PR wrote)."""
-        self.git("add", "-A", "--", *paths)
-        # verbatim: the message is the PR's exactly (git would drop lines starting with #)
-        self.git("commit", "-q", "--cleanup=verbatim", "-F", "-", input=message)
+    def tag_base(self) -> str:
+        """Mark ``HEAD`` as the base the series goes on (``update-patches`` exports from it)."""
+        self.git("tag", "-f", BASE_TAG, "HEAD")
         return self.head()
 
-    def discard(self, paths: Sequence[str]) -> None:
-        """Drop what an unfinished PR wrote to ``paths`` (the tree stays at the last commit)."""
-        tracked = self.git("ls-files", "--", *paths).split()
-        if tracked:
-            self.git("checkout", "-q", "--", *tracked)
-        self.git("clean", "-q", "-f", "--", *paths)
+    def base(self) -> str:
+        return self.git("rev-parse", f"{BASE_TAG}^{{commit}}").strip()
+
+    def am(self, patch: str) -> str:
+        """``git am`` one patch (its subject's tags kept); on failure the tree is left at the
+        commit before it and :class:`PatchFailed` says which file and hunk."""
+        r = subprocess.run(
+            ["git", "am", "-q", "--keep-non-patch", "--committer-date-is-author-date", patch],
+            cwd=self.root, capture_output=True, text=True, env=self.env,
+        )
+        if r.returncode:
+            subprocess.run(["git", "am", "--abort"], cwd=self.root, capture_output=True,
+                           env=self.env)
+            detail = "; ".join(ln.strip() for ln in (r.stderr or r.stdout).splitlines()
+                               if ln.startswith("error:"))
+            raise PatchFailed(os.path.basename(patch), detail or r.stderr.strip())
+        return self.head()
 
     def numstat(self, commit: str) -> List[NumStat]:
         status = {}
@@ -211,9 +225,7 @@ class ScratchRepo:
         for name in os.listdir(out):
             if re.match(r"^\d{4}-.*\.patch$", name):
                 os.remove(os.path.join(out, name))
-        files = self.git(
-            "format-patch", "--no-signature", "-o", os.path.abspath(out), f"{base}..HEAD"
-        )
+        files = self.git(*FORMAT_PATCH, "-o", os.path.abspath(out), f"{base}..HEAD")
         return [os.path.basename(f) for f in files.split()]
 
     def commits(self, base: str) -> Sequence[str]:
