@@ -118,6 +118,13 @@ def test_text_output(capsys, patched_sglang):
     assert text.rstrip().endswith("Startup would accept this deployment.")
 
 
+def _draft_with(tmp_path, **fields) -> str:
+    config = load("kimi-k3").config("draft")
+    config.update(fields)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
 def _quantized_draft(tmp_path) -> str:
     config = load("kimi-k3").config("draft")
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
@@ -135,7 +142,27 @@ def _qwen2(model_dirs):
 REFUSED = {
     "pp_on_decode": (
         lambda d, t: ["--example", "kimi-k3", "--", "--disaggregation-mode", "decode"],
-        "DFLASH with pp_size > 1 is only supported on a PD prefill server",
+        "Pipeline parallel DFLASH requires disaggregation-mode=prefill",
+    ),
+    "attention_dp": (
+        lambda d, t: ["--example", "kimi-k3", "--", "--attn-dp-size", "2",
+                      "--enable-dp-lm-head"],
+        "Pipeline parallel DFLASH does not support attention DP",
+    ),
+    # 56 query heads: 14 per rank at the prefill's TP4, not divisible over the decode's TP32.
+    "draft_the_decode_cannot_build": (
+        lambda d, t: ["--example", "kimi-k3", "--", "--speculative-draft-model-path",
+                      _draft_with(t, num_attention_heads=56)],
+        "[decode draft at draft TP 32 (DFlashDraftModel)] AssertionError: DFlashAttention "
+        "requires total_num_heads divisible by tp_size. total_num_heads=56, tp_size=32.",
+    ),
+    # 6 query heads: not divisible over the prefill's TP4; 3 per rank at the decode's TP2.
+    "draft_the_prefill_cannot_build": (
+        lambda d, t: ["--example", "kimi-k3", "--decode-tp-size", "2", "--",
+                      "--speculative-draft-model-path",
+                      _draft_with(t, num_attention_heads=6, num_key_value_heads=2)],
+        "[prefill draft at draft TP 4 (DFlashDraftModel)] AssertionError: DFlashAttention "
+        "requires total_num_heads divisible by tp_size. total_num_heads=6, tp_size=4.",
     ),
     "not_mooncake": (
         lambda d, t: ["--example", "kimi-k3", "--", "--disaggregation-transfer-backend", "nixl"],
@@ -172,7 +199,7 @@ def test_refused(case, capsys, monkeypatch, tmp_path, model_dirs, patched_sglang
         monkeypatch.setenv(*ENV[case])
     code, r = check_json(capsys, *argv(model_dirs, tmp_path))
     assert code == EXIT_REFUSED and not r["accepted"]
-    messages = [x["message"] for x in r["refusals"]]
+    messages = [f"[{x['source']}] {x['message']}" for x in r["refusals"]]
     assert any(fragment in m for m in messages), messages
 
 

@@ -1,14 +1,21 @@
-"""What a DFLASH P/D deployment would do, and every refusal its startup would raise.
+"""What a DFLASH P/D deployment would do, and every refusal either server's startup would
+raise.
 
 Every number and verdict comes from the patched tree's own code, run on the resolved arguments
 in a runtime context built from them (as a scheduler has one), so the report is what the servers
-would do, not a second model of it: ``ServerArgs``, ``ModelConfig``, the runner's capture layers,
-``get_pp_indices``, ``DFlashPPStage.build`` and the startup checks of ``for_target``,
-``compute_head_slice_params`` and ``MooncakeKVManager._draft_kv_layout_mismatch``.
+would do, not a second model of it: ``ServerArgs`` of both servers, ``ModelConfig``, the
+runner's capture layers, ``get_pp_indices``, ``DFlashPPStage.build`` and the startup checks of
+``for_target``, each side's draft built by its own constructor (on the meta device, at that
+side's draft parallel layout), ``compute_head_slice_params`` and
+``MooncakeKVManager._draft_kv_layout_mismatch``. The decode's launch arguments are taken to be
+the prefill's (the same model, draft, page size and KV cache dtype, as the draft KV transfer
+needs) at ``--decode-tp-size``, PP1 and in decode mode, without the prefill's expert
+parallelism.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -43,8 +50,93 @@ def run_check(inputs: CheckInputs, verbose: bool = False) -> dict:
             refuse(rep, "prefill ServerArgs resolution", error)
         else:
             _plan(rep, record, inputs)
+            _draft_builds(rep, "prefill", record)
+        rep["decode_argv"] = decode_argv(inputs.argv, inputs.decode_tp)
+        decode, error = resolve(rep["decode_argv"])
+        if error:
+            refuse(rep, "decode ServerArgs resolution", error)
+        else:
+            _draft_builds(rep, "decode", decode)
     rep["accepted"] = not rep["refusals"]
     return rep
+
+
+# The prefill's settings the decode does not share: check gives it its own.
+PREFILL_ONLY = ("--disaggregation-mode", "--pp-size", "--tp-size", "--ep-size")
+
+
+def decode_argv(argv: List[str], decode_tp: int) -> List[str]:
+    """The decode's launch arguments as check takes them: the prefill's at the decode's
+    TP, PP1, in decode mode, without the prefill's expert parallelism."""
+    out, i = [], 0
+    while i < len(argv):
+        flag = argv[i].split("=", 1)[0]
+        if flag in PREFILL_ONLY:
+            i += 1 if "=" in argv[i] else 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out + ["--tp-size", str(decode_tp), "--pp-size", "1",
+                  "--disaggregation-mode", "decode"]
+
+
+def _draft_builds(rep: dict, side: str, record) -> None:
+    """Build the side's DFlash draft as its DFLASH worker does (on the last PP stage of a
+    prefill), on the meta device: the constructors' refusals (heads and widths over the
+    draft's TP) are that server's startup refusals."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
+        resolve_spec_aux_hidden_state_config,
+    )
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.runtime_context import (
+        create_context,
+        draft_attn_tp_size,
+        get_parallel,
+        use_context,
+    )
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    algorithm = SpeculativeAlgorithm.from_string("DFLASH")
+    with use_context(create_context(record, role="scheduler")):
+        target = ModelConfig.from_server_args(record)
+        draft = resolve_spec_aux_hidden_state_config(
+            server_args=record, model_config=target, is_draft_worker=False,
+            spec_algorithm=algorithm).draft_model_config
+        model_cls, _ = ModelRegistry.resolve_model_cls(draft.hf_config.architectures)
+        # The draft's own group, as draft_tp_context narrows it: attention TP under
+        # attention DP; any rank builds the same shapes.
+        tp = draft_attn_tp_size()
+        try:
+            with native_rope(), torch_meta():
+                get_parallel().override_permanently(
+                    tp_size=tp, tp_rank=0, attn_tp_size=tp, attn_dp_size=1,
+                    attn_cp_size=1, moe_tp_size=tp, moe_ep_size=1, moe_dp_size=1)
+                model_cls(draft.hf_config)
+        except Exception as e:
+            refuse(rep, f"{side} draft at draft TP {tp} ({model_cls.__name__})",
+                   f"{type(e).__name__}: {e}")
+
+
+@contextlib.contextmanager
+def torch_meta():
+    import torch
+
+    with torch.device("meta"):
+        yield
+
+
+@contextlib.contextmanager
+def native_rope():
+    """RoPE's native path while a draft is built on the meta device, where only the module's
+    shapes matter: on a machine without CUDA its kernel path would import a GPU library."""
+    import sglang.srt.layers.rotary_embedding.base as rotary_base
+
+    original, rotary_base._is_cpu = rotary_base._is_cpu, True
+    try:
+        yield
+    finally:
+        rotary_base._is_cpu = original
 
 
 def refuse(rep: dict, source: str, message) -> None:

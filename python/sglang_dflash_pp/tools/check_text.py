@@ -15,6 +15,9 @@ def render(rep: dict) -> str:
                    f"tokens), {v['disaggregation_mode']} over "
                    f"{v['disaggregation_transfer_backend']}, page size {v['page_size']}, "
                    f"KV cache {v['kv_cache_dtype']}")
+    if rep.get("decode_argv"):
+        out.append("Decode (D), as check takes it: python -m sglang.launch_server "
+                   + shlex.join(rep["decode_argv"]))
     if "stages" in rep:
         out += _stages(rep)
     if "draft_kv" in rep:
