@@ -11,6 +11,10 @@ The hook then overwrites ``<dir>/pp<pp rank>-tp<tp rank>.json`` with the time, a
 and the pool numbers the check saw (``num_used`` = KV slots held by requests, the radix cache's
 evictable slots not counted).
 
+The record also holds the size of each per-room table of the process's KV managers (AFTER
+``disaggregation/common/conn.CommonKVManager.__init__`` keeps a reference to each): the series'
+KV checksum tables and upstream's room tables, which must all be empty when nothing is in flight.
+
 Why: sglang's ``/v1/loads`` reports one scheduler per DP rank (PP rank 0, attention TP rank 0;
 ``Scheduler.init_ipc_channels``), so it cannot see a PP prefill's last stage or a decode's TP rank
 1. These files show, per rank, that the stock check ran (and passed) after a given moment.
@@ -30,6 +34,29 @@ TARGET = (
 )
 MIN_INTERVAL_S = 0.05
 _state = {"count": 0, "written_at": 0.0}
+_managers = []
+# The per-room tables of a KV manager (those it has in its role).
+ROOM_TABLES = (
+    "kv_checksum_sums", "kv_checksum_reports", "request_status", "transfer_infos",
+    "req_to_decode_prefix_len", "prefill_response_tracker",
+    "required_prefill_response_num_table", "failure_records",
+)
+
+
+def keep_manager(result, manager, *args, **kwargs):
+    _managers.append(manager)
+    return None
+
+
+def room_tables() -> dict:
+    """Entries left in each per-room table of this process's KV managers."""
+    out = {}
+    for manager in _managers:
+        for name in ROOM_TABLES:
+            table = getattr(manager, name, None)
+            if hasattr(table, "__len__"):
+                out[name] = out.get(name, 0) + len(table)
+    return out
 
 
 def record_passed_idle_check(result, checker, *args, **kwargs):
@@ -58,6 +85,7 @@ def record_passed_idle_check(result, checker, *args, **kwargs):
         "capacity": int(stats.full_capacity),
         "free_req_slots": len(req_pool.free_slots),
         "req_slots": int(req_pool.size + req_pool.pre_alloc_size),
+        "room_tables": room_tables(),
     }
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"pp{parallel.pp_rank}-tp{parallel.tp_rank}.json")
@@ -67,4 +95,7 @@ def record_passed_idle_check(result, checker, *args, **kwargs):
     return None
 
 
-HOOK, HOOK_TYPE = record_passed_idle_check, "after"
+HOOKS = (
+    (TARGET, record_passed_idle_check, "after"),
+    ("sglang.srt.disaggregation.common.conn.CommonKVManager.__init__", keep_manager, "after"),
+)

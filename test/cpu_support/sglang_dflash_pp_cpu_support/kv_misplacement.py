@@ -11,8 +11,16 @@ this process makes is misplaced that way:
 - ``swap-destination`` (prefill, last PP stage), same symbol: the decode's K buffers of the
   stage's two layers trade places in ``dst_kv_ptrs``, so a layer is paired with the wrong decode
   layer;
-- ``wrong-head`` (prefill), AROUND ``MooncakeKVManager.send_draft_kvcache_heads``: the heads are
-  chosen for the other decode rank of a TP2 decode, so each rank gets the other's draft head;
+- ``wrong-head`` (prefill), AROUND ``MooncakeKVManager.send_kvcache_slice`` of the draft entries
+  (``draft=True``): the heads are chosen for the other decode rank of a TP2 decode, so each rank
+  gets the other's draft head;
+- ``truncate-sums``, ``garbage-sums``, ``drop-sums`` (prefill, last PP stage), AROUND
+  ``disaggregation/common/conn.CommonKVManager.send_kv_status_message``: the KV checksum sums a
+  Success carries lose their last 3 bytes, become as many random bytes, or are left out: a
+  damaged or missing frame from the wire;
+- ``raise-sums`` (prefill, last PP stage), AROUND ``disaggregation/kv_placement_checksum.
+  KvPlacementChecksumComputer.compute_head_sums``, and ``raise-compare`` (decode, attention TP
+  rank 1 only), AROUND its ``compare_head_sums``: the call raises, as a device error would;
 - ``flip-target``, ``flip-draft``, ``flip-state`` (decode), AROUND ``disaggregation/decode.
   SchedulerDisaggregationDecodeMixin._verify_kv_checksums``: one bit of layer 0's K (the MLA
   latent on Kimi-K3) at the request's first received token, or of the first state layer's
@@ -25,7 +33,6 @@ Nothing else changes; with the file empty every call is upstream's.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 ENV = "SGLANG_DFLASH_PP_TEST_KV_MISPLACEMENT"
@@ -64,10 +71,41 @@ def send_kvcache(original, self, session, src_indices, dst_kv_ptrs, *args, **kwa
         ptrs[last - 1], ptrs[last] = ptrs[last], ptrs[last - 1]
 
 
-def send_draft_kvcache_heads(original, self, session, src_indices, info, *args, **kwargs):
-    if _asked() == "wrong-head":
-        info = dataclasses.replace(info, dst_tp_rank=info.dst_tp_rank ^ 1)
-    return original(self, session, src_indices, info, *args, **kwargs)
+def send_kvcache_slice(original, self, *args, **kwargs):
+    if _asked() == "wrong-head" and kwargs.get("draft"):
+        args = list(args)
+        args[4] ^= 1  # dst_tp_rank
+    return original(self, *args, **kwargs)
+
+
+def send_kv_status_message(original, self, *args, **kwargs):
+    asked, sums = _asked(), kwargs.get("kv_checksum_sums")
+    if not _last_stage(self):
+        pass
+    elif sums is not None and asked == "truncate-sums":
+        kwargs["kv_checksum_sums"] = sums[:-3]
+    elif sums is not None and asked == "garbage-sums":
+        kwargs["kv_checksum_sums"] = os.urandom(len(sums))
+    elif asked == "drop-sums":
+        kwargs["kv_checksum_sums"] = None
+    return original(self, *args, **kwargs)
+
+
+def raise_if_asked(word):
+    """Raise on the last PP stage of a prefill, or on attention TP rank 1 of a decode (a
+    failure on one rank)."""
+
+    def hook(original, self, *args, **kwargs):
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        one_rank = (parallel.pp_rank == parallel.pp_size - 1 if word == "raise-sums"
+                    else parallel.attn_tp_rank == 1)
+        if _asked() == word and one_rank:
+            raise RuntimeError(f"{word}: a failure injected by the test")
+        return original(self, *args, **kwargs)
+
+    return hook
 
 
 def verify_kv_checksums(original, self, batch):
@@ -100,9 +138,14 @@ def verify_kv_checksums(original, self, batch):
     return original(self, batch)
 
 
+CHECKSUM = "sglang.srt.disaggregation.kv_placement_checksum.KvPlacementChecksumComputer"
 HOOKS = (
     (f"{CONN}.send_kvcache", send_kvcache, "around"),
-    (f"{CONN}.send_draft_kvcache_heads", send_draft_kvcache_heads, "around"),
+    (f"{CONN}.send_kvcache_slice", send_kvcache_slice, "around"),
+    ("sglang.srt.disaggregation.common.conn.CommonKVManager.send_kv_status_message",
+     send_kv_status_message, "around"),
+    (f"{CHECKSUM}.compute_head_sums", raise_if_asked("raise-sums"), "around"),
+    (f"{CHECKSUM}.compare_head_sums", raise_if_asked("raise-compare"), "around"),
     ("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin._verify_kv_checksums",
      verify_kv_checksums, "around"),
 )
