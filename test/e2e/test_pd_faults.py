@@ -28,14 +28,21 @@ micro-batches), their tokens and D's draft KV rows on both D ranks (the test rea
    same arguments (P must take the new decode's registration);
 3. an empty prompt through the router: refused with a 400 by both servers' tokenizers (it used
    to crash a PP stage's forward and leave the decode unable to release it), and every server
-   keeps serving.
+   keeps serving;
+4. an abort storm: requests dropped by their clients at every point of their way (queued, mid
+   chunked prefill, in transfer, decoding), with the KV checksum on;
+5. a damaged frame: the KV checksum sums of P's last stage a few bytes short
+   (``cpu_support/kv_misplacement``): that request fails, nothing else.
 
 After each fault (bounded, ``RECOVERY_S``): P's two stages and D's two ranks are idle with no KV
 held by a request: ``/v1/loads`` of each server (which reports one scheduler, PP rank 0 /
 attention TP rank 0: ``Scheduler.init_ipc_channels``) shows nothing running, queued or in
 transfer and no used token, and every rank of both servers passed the stock strict idle check
-after the fault (the per-rank record of ``cpu_support/idle_check_trace``); all servers are
-alive; and the next request gives the reference tokens and D's draft KV rows byte-equal to the
+after the fault with the series' per-room tables of its KV manager empty (the per-rank record
+of ``cpu_support/idle_check_trace``: the KV checksum's sums on P, its reports on D; upstream's
+own room tables are recorded beside them, and left to upstream: a prefill keeps one
+``transfer_infos`` and one ``failure_records`` entry per request aborted mid-prefill); all
+servers are alive; and the next request gives the reference tokens and D's draft KV rows byte-equal to the
 reference on both D ranks (same prefill computation: P's radix cache is flushed first).
 
 Requests after a fault are sent once (``post_once``): a second try could hide the property
@@ -61,7 +68,7 @@ import cpu_servers
 import deployments
 import e2e_models as models
 from deployment_args import CHUNK, DECODE_ARGS, prefill_args, server_args
-from kv_checksum_counts import CHECKED_DECODE, CHECKSUM, checksum_counts
+from kv_checksum_counts import CHECKED_DECODE, CHECKSUM, INJECT_ENV, checksum_counts
 from deployments import Deployment
 
 pytestmark = pytest.mark.slow
@@ -74,6 +81,8 @@ REFERENCE = {
 ROUTER_ARGS = ("--disable-retries", "--disable-circuit-breaker", "--disable-health-check")
 STRICT_IDLE = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 RECOVERY_S = 120.0  # fault resolved -> every rank idle with no KV held
+# The per-room tables the series adds (idle_check_trace.ROOM_TABLES records upstream's too).
+SERIES_ROOM_TABLES = ("kv_checksum_sums", "kv_checksum_reports")
 REQUEST_S = 120.0  # a request that a fault breaks must end within this
 PREFILL_SEEN_S = 60.0  # the long prompt's first chunks show up in P's log within this
 EMPTY_PROMPT_MESSAGE = "The input prompt is empty"  # TokenizerManager._validate_one_request
@@ -103,6 +112,7 @@ class Faults:
         self.dump = os.path.join(root, "decode_draft_kv")
         self.idle = {"P": os.path.join(root, "idle-P"), "D": os.path.join(root, "idle-D")}
         self.boot = cpu_servers.free_port()
+        self.inject = os.path.join(root, "misplace")
 
     @property
     def router(self) -> str:
@@ -119,13 +129,16 @@ def fx(e2e_root, stub_root):
     target = models.write_llama_target(os.path.join(root, "target"), kv_heads=4)
     draft = models.write_dflash_draft(os.path.join(root, "draft"))
     f = Faults(root)
+    os.makedirs(root, exist_ok=True)
+    open(f.inject, "w").close()
     launch = lambda name, args, **kw: f.dep.add(  # noqa: E731
         cpu_servers.launch_server(name, root, target, args, stub_root=stub_root, spec=True,
                                   pd=True, ranks=2, **kw)
     )
     try:
         p = launch("P", server_args(draft, *prefill_args(f.boot), "--pp-size", "2", CHECKSUM),
-                   env={**STRICT_IDLE, "SGLANG_DFLASH_PP_TEST_IDLE_CHECK_DIR": f.idle["P"]})
+                   env={**STRICT_IDLE, "SGLANG_DFLASH_PP_TEST_IDLE_CHECK_DIR": f.idle["P"],
+                        INJECT_ENV: f.inject})
         d = launch("D", server_args(draft, *DECODE_ARGS, "--tp-size", "2", *CHECKED_DECODE),
                    env={**STRICT_IDLE, "SGLANG_DFLASH_PP_TEST_IDLE_CHECK_DIR": f.idle["D"],
                         "SGLANG_DFLASH_PP_TEST_DRAFT_KV_DUMP": f.dump})
@@ -250,7 +263,8 @@ def assert_recovered(fx: Faults, since: float, what: str) -> float:
             for rank, rec in idle_records(fx, name).items():
                 if rec is None or rec["time"] <= since:
                     problems[f"{name} {rank}"] = "no passed idle check since the fault"
-                elif rec["num_used"] or rec["free_req_slots"] != rec["req_slots"]:
+                elif (rec["num_used"] or rec["free_req_slots"] != rec["req_slots"]
+                      or any(rec["room_tables"].get(t) for t in SERIES_ROOM_TABLES)):
                     problems[f"{name} {rank}"] = rec
         if not problems:
             return time.monotonic() - t0
@@ -263,11 +277,11 @@ def assert_reference_again(fx: Faults, reference: dict, key: str, rid: str):
     """P's cache flushed, the reference prompt once more (sent once): the reference tokens, and
     D's draft KV rows on both ranks byte-equal to the reference's."""
     flush(fx)
-    before = checksum_counts(fx.dep["D"]).get("verified", 0)
+    before = checksum_counts(fx.dep["D"])
     r = post_once(fx.router, REFERENCE[key], rid)
     assert r["status"] == 200, f"{rid} failed: {r}{fx.tails()}"
     # the KV checksum verified its transfer, and nothing failed or went unverified
-    assert checksum_counts(fx.dep["D"]) == {"verified": before + 1}, rid
+    assert checksum_counts(fx.dep["D"]) == {**before, "verified": before.get("verified", 0) + 1}, rid
     out = json.loads(r["text"])
     assert out["output_ids"] == reference[key]["output_ids"], (
         f"{rid}: {out['output_ids']} != reference {reference[key]['output_ids']}{fx.tails()}")
@@ -389,3 +403,60 @@ def test_an_empty_prompt_is_refused_and_every_server_keeps_serving(fx, reference
     assert EMPTY_PROMPT_MESSAGE in refused["text"], refused["text"][:500]
     assert_reference_again(fx, reference, "short", "f3-next-short")
     assert_recovered(fx, sent_at, "the empty prompt")
+
+
+# -- 4. an abort storm, the KV checksum on ---------------------------------------------------------
+
+
+STORM_DROPS_S = (0.05, 0.3, 0.8, 1.5, 2.5, 4.0, 6.0, 9.0)  # client drops after these delays
+
+
+def drop_after(router, text: str, rid: str, delay_s: float) -> None:
+    body = json.dumps({"text": text, "rid": rid,
+                       "sampling_params": {"max_new_tokens": 64, "temperature": 0}})
+    sock = socket.create_connection(("127.0.0.1", router.port), timeout=10)
+    try:
+        sock.sendall((f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{router.port}\r\n"
+                      "Content-Type: application/json\r\n"
+                      f"Content-Length: {len(body.encode())}\r\nConnection: close\r\n\r\n"
+                      ).encode() + body.encode())
+        time.sleep(delay_s)
+    finally:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.close()
+
+
+def test_an_abort_storm_leaves_no_room_state(fx, reference):
+    flush(fx)
+    started = time.time()
+    workers = [threading.Thread(target=drop_after, daemon=True,
+                                args=(fx.dep["R"], fault_prompt(f"s{i}")[: 300 + 400 * i],
+                                      f"storm-{i}", delay))
+               for i, delay in enumerate(STORM_DROPS_S)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+    assert_recovered(fx, started, "the abort storm")
+    assert_reference_again(fx, reference, "long", "f4-next-long")
+
+
+# -- 5. a damaged frame ------------------------------------------------------------------------------
+
+
+def test_a_damaged_sums_frame_fails_its_request_only(fx, reference):
+    flush(fx)
+    sent_at = time.time()
+    before = checksum_counts(fx.dep["D"])
+    with open(fx.inject, "w") as f:
+        f.write("truncate-sums")
+    try:
+        broken = post_once(fx.router, REFERENCE["short"], "f5-truncated")
+    finally:
+        open(fx.inject, "w").close()
+    assert broken["status"] is not None and broken["status"] >= 500, broken
+    assert checksum_counts(fx.dep["D"]) == {**before, "failed": before.get("failed", 0) + 1}
+    assert_recovered(fx, sent_at, "the damaged frame")
+    assert_reference_again(fx, reference, "short", "f5-next-short")
