@@ -169,12 +169,12 @@ def defined_tests(test_root: Path) -> List[str]:
     return names
 
 
-def test_the_series_unit_tests_pass_on_the_exported_head(exported_series, stub_root, tmp_path):
-    root = exported_series.root
+def run_unit_tests(root: Path, tests: Path, stub_root: str, tmp_path: Path):
+    """pytest of ``tests`` in a child whose sglang is ``root``'s; the junit test cases."""
     junit = tmp_path / "junit.xml"
     script = (
         "import sys, sglang, pytest; print('SGLANG', sglang.__file__); "
-        f"sys.exit(pytest.main([{str(root / 'test/registered')!r}, '-q', "
+        f"sys.exit(pytest.main([{str(tests)!r}, '-q', "
         f"'-p', 'no:cacheprovider', '--rootdir', {str(root)!r}, "
         f"'--junitxml', {str(junit)!r}]))"
     )
@@ -189,13 +189,38 @@ def test_the_series_unit_tests_pass_on_the_exported_head(exported_series, stub_r
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     where = re.search(r"^SGLANG (.*)$", done.stdout, re.M).group(1)
     assert where == str(root / "python/sglang/__init__.py")
-    cases = list(ElementTree.parse(junit).getroot().iter("testcase"))
+    return list(ElementTree.parse(junit).getroot().iter("testcase"))
+
+
+def assert_every_test_ran_and_passed(cases, test_root: Path) -> None:
     outcomes = {f"{c.get('classname').rsplit('.', 1)[-1]}.{c.get('name')}":
                 [child.tag for child in c] for c in cases}
     assert not any(outcomes.values()), outcomes  # skipped, failure or error
-    expected = defined_tests(root / "test/registered")
+    expected = defined_tests(test_root)
     assert len(cases) == len(expected) > 0
     assert sorted(outcomes) == sorted(expected)
+
+
+def test_the_series_unit_tests_pass_on_the_exported_head(exported_series, stub_root, tmp_path):
+    tests = exported_series.root / "test/registered"
+    cases = run_unit_tests(exported_series.root, tests, stub_root, tmp_path)
+    assert_every_test_ran_and_passed(cases, tests)
+
+
+def test_the_checksum_pr_applies_alone_and_its_tests_pass(exported_series, stub_root,
+                                                          tmp_path):
+    """PR 10 needs none of the others: ``git am`` of it alone onto the release, and its unit
+    tests on that tree."""
+    (patch,) = [pr for pr in SERIES if pr.title.startswith("[PD] KV checksum across")]
+    alone = tmp_path / "alone"
+    git(tmp_path, "clone", "-q", "--shared", "--no-checkout", str(exported_series.root),
+        str(alone))
+    git(alone, "checkout", "-q", "--detach", exported_series.base)
+    git(alone, "-c", "user.name=t", "-c", "user.email=t@t.invalid", "am", "-q",
+        "--keep-non-patch", str(patch.path))
+    (test_file,) = [f for f, added in patch.files if added and f.startswith("test/")]
+    cases = run_unit_tests(alone, alone / test_file, stub_root, tmp_path)
+    assert_every_test_ran_and_passed(cases, (alone / test_file).parent)
 
 
 # -- b. every prefix imports what it touched ---------------------------------------------------

@@ -6,10 +6,13 @@ head_dim 128, bf16, page 64. Each decode rank gets 8192 x 12 x 256 B = 25.2 MB, 
 chunk from the prefill rank: 4.03 ms at 50 GB/s, the yardstick every figure is divided by.
 
 ``--host`` (a machine with the patched sglang): times the shipped
-``MooncakeKVManager.send_draft_kvcache_heads`` for all 8 decode ranks with an engine that
-returns at once: the host work before a descriptor reaches the transport, per-row (the
-default path) and packed (the pack's gather replaced by a no-op: its GPU time comes from
-``--gpu``). It also records the exact arguments the shipped code gives the gather.
+``MooncakeKVManager.send_kvcache_slice(draft=True)`` for all 8 decode ranks with an engine that
+returns at once: the host work before a descriptor reaches the transport, per row (no pack
+buffer) and packed (the pack's gather replaced by a no-op: its GPU time comes from ``--gpu``),
+for an 8192-token chunk and for a first send of 65,536 tokens (a long cached prefix sent with
+the request's first chunk), which the pack buffer (sized for a chunk, as
+``_init_draft_kv_pack_buffers_once`` sizes it) takes in pieces. It also records the exact
+arguments the shipped code gives the gather.
 
 ``--gpu`` (the H200; no sglang there): replays those arguments into the pack kernel sglang
 ships (``sglang/kernels/ops/kvcache/pd_dcp_gather.py``, carried from the installed wheel as
@@ -36,12 +39,21 @@ TP_P, TP_D = 4, 32
 LINK_GBPS = 50.0
 
 
-def chunk_bytes() -> int:
-    return (TP_D // TP_P) * TOKENS * 2 * LAYERS * (HEADS // TP_D or 1) * HEAD_DIM * ELEM
+def chunk_bytes(tokens: int = TOKENS) -> int:
+    return (TP_D // TP_P) * tokens * 2 * LAYERS * (HEADS // TP_D or 1) * HEAD_DIM * ELEM
 
 
-def link_ms() -> float:
-    return chunk_bytes() / (LINK_GBPS * 1e9) * 1e3
+def link_ms(tokens: int = TOKENS) -> float:
+    return chunk_bytes(tokens) / (LINK_GBPS * 1e9) * 1e3
+
+
+# (case, tokens of the send, whether a pack buffer is there)
+HOST_CASES = (
+    ("per_row", TOKENS, False),
+    ("packed", TOKENS, True),
+    ("per_row_cached_prefix_65536", 65536, False),
+    ("packed_cached_prefix_65536", 65536, True),
+)
 
 
 def host(reps: int, out: str) -> None:
@@ -54,32 +66,31 @@ def host(reps: int, out: str) -> None:
     import sglang.srt.disaggregation.common.dcp_pack as dcp_pack
     from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang_dflash_pp.patch_series.series import fingerprint
 
     src_heads = HEADS // TP_P
     item = PAGE * src_heads * HEAD_DIM * ELEM
+    band = [93 + i for i in range(LAYERS)] * 2  # the draft's layer ids, both sides
     kv_args = KVArgs()
     kv_args.engine_rank, kv_args.page_size = 0, PAGE
     kv_args.num_draft_entries, kv_args.draft_total_kv_head_num = 2 * LAYERS, HEADS
     kv_args.kv_data_ptrs = [(1 << 40) + e * (1 << 32) for e in range(2 * LAYERS)]
     kv_args.kv_item_lens = [item] * (2 * LAYERS)
+    kv_args.kv_layer_ids = band
     descriptors = []
     engine = SimpleNamespace(
         batch_transfer_sync=lambda s, src, dst, n: descriptors.append(len(src)) or 0
     )
+    # The fields the send reads; a real manager starts a transfer engine.
     manager = object.__new__(MooncakeKVManager)
     manager.kv_args, manager.attn_tp_size, manager.engine = kv_args, TP_P, engine
-    manager.enable_deferred_decode_kv_release = False
+    manager.is_mla_backend, manager.pp_size, manager.max_transfer_batch_indices = False, 1, 0
     manager._transfer_data = lambda s, blocks: descriptors.append(len(blocks)) or 0
-    pages = np.arange(TOKENS // PAGE, dtype=np.int32)
-    infos = [
-        SimpleNamespace(
-            dst_tp_rank=r,
-            dst_attn_tp_size=TP_D,
-            dst_kv_ptrs=[(1 << 44) + e * (1 << 32) for e in range(2 * LAYERS)],
-        )
-        for r in range(TP_D // TP_P)
-    ]
-    pack = SimpleNamespace(get_ptr=lambda: 1 << 46)
+    dst_ptrs = [(1 << 44) + e * (1 << 32) for e in range(2 * LAYERS)]
+    dst_item = PAGE * max(1, HEADS // TP_D) * HEAD_DIM * ELEM
+    # As _init_draft_kv_pack_buffers_once sizes it: half a chunk of whole draft rows.
+    pack_size = TOKENS // 2 * 2 * LAYERS * src_heads * HEAD_DIM * ELEM
+    pack = SimpleNamespace(get_ptr=lambda: 1 << 46, get_size=lambda: pack_size)
     gathers = []
 
     def no_gather(**kwargs):  # the GPU gather is timed by --gpu
@@ -91,34 +102,36 @@ def host(reps: int, out: str) -> None:
             base += n * width
         return ptrs, np.arange(n)
 
-    samples = {"per_row": [], "packed": []}
+    samples = {case: [] for case, _, _ in HOST_CASES}
+    counts = {}
     with concurrent.futures.ThreadPoolExecutor(4) as executor, mock.patch.object(
         dcp_pack, "try_pack_dcp_src", no_gather
     ):
         for _ in range(reps + 1):
-            for mode, buffer in (("per_row", None), ("packed", pack)):
+            for case, tokens, packed in HOST_CASES:
+                pages = np.arange(tokens // PAGE, dtype=np.int32)
                 descriptors.clear()
                 start = time.perf_counter()
-                for info in infos:
-                    manager.send_draft_kvcache_heads(
-                        "d", pages, info, pages, executor, pack_buffer=buffer
+                for r in range(TP_D // TP_P):
+                    ret = manager.send_kvcache_slice(
+                        "d", pages, dst_ptrs, pages, r, TP_D, dst_item, executor, band,
+                        draft=True, pack_buffer=pack if packed else None,
                     )
-                samples[mode].append((time.perf_counter() - start) * 1e3)
-                counts = sum(descriptors)
-                samples[f"{mode}_descriptors"] = counts
-    for mode in ("per_row", "packed"):
-        samples[mode] = samples[mode][1:]  # the first pass warms up
+                    assert ret == 0
+                samples[case].append((time.perf_counter() - start) * 1e3)
+                counts[case] = sum(descriptors)
+    samples = {case: s[1:] for case, s in samples.items()}  # the first pass warms up
     first = gathers[0]
     result = {
-        "what": "host work of the shipped send_draft_kvcache_heads, 8 decode ranks, "
+        "what": "host work of the shipped send_kvcache_slice(draft=True), 8 decode ranks, "
         "engine returning at once",
-        "chunk_link_ms_at_50GBps": link_ms(),
-        "samples_ms": {m: samples[m] for m in ("per_row", "packed")},
-        "descriptors_per_chunk": {
-            m: samples[f"{m}_descriptors"] for m in ("per_row", "packed")
-        },
+        "link_ms_at_50GBps": {c: link_ms(t) for c, t, _ in HOST_CASES},
+        "samples_ms": samples,
+        "descriptors_per_send": counts,
+        "pack_buffer_bytes": pack_size,
+        "median_ms": {c: statistics.median(samples[c]) for c, _, _ in HOST_CASES},
         "median_share_of_link": {
-            m: statistics.median(samples[m]) / link_ms() for m in ("per_row", "packed")
+            c: statistics.median(samples[c]) / link_ms(t) for c, t, _ in HOST_CASES
         },
         "gather_arguments": {
             "ptr_offsets": [p - kv_args.kv_data_ptrs[i] for i, p in enumerate(first["kv_data_ptrs"])],
@@ -127,7 +140,7 @@ def host(reps: int, out: str) -> None:
             "token_item_lens": list(first["token_item_lens"]),
             "src_token_item_lens": list(first["src_token_item_lens"]),
         },
-        **provenance.record(repetitions=reps, warmup=1),
+        **provenance.record(repetitions=reps, warmup=1, series_patches=fingerprint()),
     }
     _write(out, result)
 

@@ -11,14 +11,17 @@ Each figure is set against the chunk's time on a 50 GB/s link: what the prefill 
 the chunk (the draft heads to its 8 decode ranks, 201 MB, and the latent of its 3 layers to the
 8 decode ranks it serves, 226 MB), and what a decode rank receives (251 MB).
 
-The GPU machine has no sglang. ``--gpu`` builds a package directory holding the shipped
-``keyed_head_hash.py`` and ``kv_placement_checksum.py`` from this tree, the wheel's
-``gpu_tensor_hash.py`` (their one sglang import, carried in ``--kernel-dir``), and a stand-in
-``sglang.srt.mem_cache.memory_pool`` whose pool classes are bare names: the checksum reads only
-their buffer lists. It checks the sums against the torch reference, then times ``compute`` (the
-launch, the device-to-host copy of the sums and the rows built from them) with CUDA events and
-the host clock.
+The GPU machine has no sglang. ``--carry DIR`` (here, with the patched sglang installed) copies
+what the GPU run needs from the installed package: the series' ``keyed_head_hash.py`` and
+``kv_placement_checksum.py``, the wheel's ``gpu_tensor_hash.py``, and ``compute_head_slice_params``
+(the one function of ``common/staging_buffer.py`` the checksum calls). ``--gpu`` builds a package
+directory of those, with stand-ins for the rest of the checksum's sglang imports: pool classes
+that are bare names (the checksum reads only their buffer lists) and ``KvChecksumComputer`` (the
+digest this PR extends; not timed here). It checks the sums against the torch reference, then
+times ``compute`` (the launch, the device-to-host copy of the sums and the rows built from them)
+with CUDA events and the host clock.
 
+    python3 benchmark/kv_checksum/bench_placement_checksum.py --carry .carry/kernels
     python3 benchmark/kv_checksum/bench_placement_checksum.py --gpu --kernel-dir .carry/kernels \
         --reps 50 --warmup 10 --out benchmark/kv_checksum/results/placement_checksum_gpu.json
 """
@@ -47,16 +50,41 @@ DRAFT_LAYERS, DRAFT_HEADS, HEAD_DIM = 6, 8, 128
 MLA_LAYERS, STAGE_MLA_LAYERS = 24, 3
 TP_P, TP_D = 4, 32
 LINK_GBPS = 50.0
-SHIPPED = (
-    "python/sglang/kernels/ops/memory/keyed_head_hash.py",
-    "python/sglang/srt/disaggregation/kv_placement_checksum.py",
-)
-POOL_STAND_IN = '''
+# Carried from the installed, patched sglang (--carry): the code timed.
+CARRIED = {
+    "gpu_tensor_hash.py": "kernels/ops/memory/gpu_tensor_hash.py",
+    "keyed_head_hash.py": "kernels/ops/memory/keyed_head_hash.py",
+    "kv_placement_checksum.py": "srt/disaggregation/kv_placement_checksum.py",
+}
+STAND_INS = {
+    "sglang/srt/mem_cache/memory_pool.py": """
 class KVCache: pass
 class MHATokenToKVPool(KVCache): pass
 class MLATokenToKVPool(KVCache): pass
 class HybridLinearKVPool(KVCache): pass
-'''
+""",
+    "sglang/srt/disaggregation/checksum.py": """
+class KvChecksumComputer:
+    def __init__(self, *args, **kwargs): pass
+""",
+}
+
+
+def carry(directory: str) -> None:
+    """Copy what ``--gpu`` needs from the installed sglang into ``directory``."""
+    import ast
+    import importlib.util
+
+    package = os.path.dirname(importlib.util.find_spec("sglang").origin)
+    os.makedirs(directory, exist_ok=True)
+    for name, rel in CARRIED.items():
+        shutil.copyfile(os.path.join(package, rel), os.path.join(directory, name))
+    path = os.path.join(package, "srt/disaggregation/common/staging_buffer.py")
+    source = open(path).read()
+    (node,) = [n for n in ast.parse(source).body
+               if isinstance(n, ast.FunctionDef) and n.name == "compute_head_slice_params"]
+    with open(os.path.join(directory, "staging_buffer.py"), "w") as f:
+        f.write("from typing import Tuple\n\n\n" + ast.get_source_segment(source, node) + "\n")
 
 
 def link_ms(nbytes: int) -> float:
@@ -65,19 +93,16 @@ def link_ms(nbytes: int) -> float:
 
 def build_package(kernel_dir: str) -> str:
     root = tempfile.mkdtemp(prefix="checksum_pkg_")
-    files = {
-        "sglang/kernels/ops/memory/gpu_tensor_hash.py": os.path.join(
-            kernel_dir, "gpu_tensor_hash.py"
-        ),
-        "sglang/kernels/ops/memory/keyed_head_hash.py": os.path.join(ROOT, SHIPPED[0]),
-        "sglang/srt/disaggregation/kv_placement_checksum.py": os.path.join(ROOT, SHIPPED[1]),
-    }
+    files = {f"sglang/{rel}": os.path.join(kernel_dir, name) for name, rel in CARRIED.items()}
+    files["sglang/srt/disaggregation/common/staging_buffer.py"] = os.path.join(
+        kernel_dir, "staging_buffer.py")
     for rel, src in files.items():
         os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
         shutil.copyfile(src, os.path.join(root, rel))
-    os.makedirs(os.path.join(root, "sglang/srt/mem_cache"))
-    with open(os.path.join(root, "sglang/srt/mem_cache/memory_pool.py"), "w") as f:
-        f.write(POOL_STAND_IN)
+    for rel, text in STAND_INS.items():
+        os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
+        with open(os.path.join(root, rel), "w") as f:
+            f.write(text)
     for folder, _, names in os.walk(os.path.join(root, "sglang")):
         if "__init__.py" not in names:
             open(os.path.join(folder, "__init__.py"), "w").close()
@@ -230,7 +255,9 @@ def gpu(reps: int, warmup: int, kernel_dir: str, out: str) -> None:
     result.update(
         what="KvPlacementChecksum.compute as shipped, one 8192-token chunk, Kimi-K3 geometry",
         device_name=torch.cuda.get_device_name(),
-        **provenance.record(repetitions=reps, warmup=warmup, timed_sources=SHIPPED),
+        **provenance.record(
+            repetitions=reps, warmup=warmup,
+            timed_sources=[os.path.join(kernel_dir, n) for n in CARRIED]),
     )
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
@@ -242,13 +269,18 @@ def gpu(reps: int, warmup: int, kernel_dir: str, out: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gpu", action="store_true", required=True)
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--carry", metavar="DIR", help="copy the timed code into DIR (here)")
+    mode.add_argument("--gpu", action="store_true")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--kernel-dir", required=True, help="holds the wheel's gpu_tensor_hash.py")
-    p.add_argument("--out", required=True)
+    p.add_argument("--kernel-dir", help="--gpu: what --carry wrote")
+    p.add_argument("--out")
     args = p.parse_args()
-    gpu(args.reps, args.warmup, args.kernel_dir, args.out)
+    if args.carry:
+        carry(args.carry)
+    else:
+        gpu(args.reps, args.warmup, args.kernel_dir, args.out)
 
 
 if __name__ == "__main__":
