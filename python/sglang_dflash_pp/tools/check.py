@@ -237,7 +237,7 @@ def _stages(rep: dict, pp: int, target, model_cls, draft) -> None:
 
 def _draft_kv(rep: dict, record, resolved: dict, draft, inputs: CheckInputs) -> None:
     """Draft KV heads per rank on both sides, what one last-stage P rank writes to which D ranks
-    (``send_draft_kvcache_heads``) per request, and the decode's registration verdict."""
+    (``send_kvcache_slice(draft=True)``) per request, and the decode's registration verdict."""
     from sglang.srt.arg_groups.model_override_base import resolved_view
     from sglang.srt.disaggregation.common.staging_buffer import compute_head_slice_params
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
