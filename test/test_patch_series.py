@@ -446,6 +446,42 @@ def test_forbidden_constructs_check_can_fail(what):
     assert found == [f"python/sglang/srt/x.py:12: {what}: {SAMPLES[what].strip()}"]
 
 
+# -- the tests the series adds leave no state behind --------------------------------------------
+
+
+def hygiene_problems(text: str) -> List[str]:
+    """What a test file of the series does to the process that outlives it: a runtime-context
+    override installed and never restored, a private module attribute set (restore it with
+    ``mock.patch.object``), another test module imported."""
+    problems = []
+    if text.count(".install()") > text.count(".restore"):
+        problems.append("installs a context override it does not restore")
+    modules = set(re.findall(r"^\s*import\s+[\w.]+\s+as\s+(\w+)", text, re.M))
+    modules |= set(re.findall(r"^\s*import\s+(\w+)\s*$", text, re.M))
+    problems += [f"sets {m.group(1)}" for m in re.finditer(
+        r"^\s*((\w+)\._\w+)\s*=(?!=)", text, re.M) if m.group(2) in modules]
+    problems += [f"imports the test module {m.group(1)}" for m in re.finditer(
+        r"^\s*(?:from|import)\s+(test_\w+)", text, re.M)]
+    return problems
+
+
+def test_the_series_tests_leave_no_state_behind(exported_series):
+    found = {}
+    for path in (exported_series.root / "test/registered").rglob("test_*.py"):
+        problems = hygiene_problems(path.read_text())
+        if problems:
+            found[path.name] = problems
+    assert not found, found
+
+
+def test_the_hygiene_check_can_fail():
+    text = ("from test_other import x\nimport sglang.a.b as b\nb._is_cpu = True\n"
+            "get_context().override_server_args(device='cpu').install()\n")
+    assert hygiene_problems(text) == [
+        "installs a context override it does not restore", "sets b._is_cpu",
+        "imports the test module test_other"]
+
+
 # -- e. sizes ----------------------------------------------------------------------------------
 
 
