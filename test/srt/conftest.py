@@ -41,6 +41,14 @@ def model_dirs(tmp_path_factory):
             {**tiny_models.llama_target_config(), "architectures": ["Qwen2ForCausalLM"],
              "model_type": "qwen2"},
         ),
+        # A sliding-window target: its pool (SWAKVPool) publishes no KV layer ids.
+        "gpt_oss_target": tiny_models.write_model_dir(
+            d("gpt_oss_target"),
+            {**tiny_models.llama_target_config(), "architectures": ["GptOssForCausalLM"],
+             "model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2,
+             "sliding_window": 128,
+             "layer_types": ["sliding_attention", "full_attention"] * (tiny_models.TARGET_LAYERS // 2)},
+        ),
         "draft_k3": tiny_models.write_model_dir(d("draft_k3"), k3_draft((1, 3, 5, 7))),
         "draft_k3_early": tiny_models.write_model_dir(d("draft_k3_early"), k3_draft((0, 1, 2))),
         "draft_unsorted": tiny_models.write_model_dir(

@@ -52,6 +52,7 @@ def test_example_is_accepted(example):
     assert p["speculative_num_draft_tokens"] == 16  # the draft's block_size
     assert r["target"]["model_class"] == "KimiK3ForConditionalGeneration"
     assert r["target"]["num_layers"] == 93 and not r["target"]["mla_pool"]  # hybrid MLA + KDA
+    assert r["target"]["kv_layer_ids"]  # a hybrid pool publishes them
 
 
 def test_example_stages_and_carry(example):
@@ -180,6 +181,14 @@ REFUSED = {
         lambda d, t: ["--example", "kimi-k3", "--", "--speculative-draft-model-path",
                       _quantized_draft(t)],
         "draft's fc is quantized",
+    ),
+    # At PP1: its draft entries could pair with the decode's only by layer id.
+    "target_without_kv_layer_ids_across_tp": (
+        lambda d, t: ["--decode-tp-size", "2", "--", "--model-path", d["gpt_oss_target"],
+                      "--speculative-draft-model-path", d["draft"],
+                      "--speculative-algorithm", "DFLASH", "--disaggregation-mode", "prefill",
+                      "--disaggregation-transfer-backend", "mooncake", "--page-size", "16"],
+        "to decode attention TP 2: the draft KV can only be sent at equal attention TP",
     ),
     "staging_buffer_across_tp": (
         lambda d, t: ["--example", "kimi-k3"],

@@ -170,6 +170,10 @@ def _plan(rep: dict, record, inputs: CheckInputs) -> None:
             # What the Mooncake manager calls is_mla_backend: a plain MLA pool (a hybrid
             # linear-attention pool is not one), whose decode ranks pull from one P rank each.
             mla_pool=target.attention_arch == AttentionArch.MLA and not mambaish_config(target),
+            # build_kv_layer_ids under DFLASH: a hybrid linear-attention pool or a plain MHA
+            # pool publishes ids; an SWA or plain MLA pool does not.
+            kv_layer_ids=bool(mambaish_config(target)) or (
+                target.attention_arch != AttentionArch.MLA and not target.is_hybrid_swa),
         )
         rep["draft"] = dict(
             num_layers=int(aux.dflash_draft_num_layers), hidden_size=draft.hf_config.hidden_size,
@@ -265,15 +269,16 @@ def _draft_kv(rep: dict, record, resolved: dict, draft, inputs: CheckInputs) -> 
     def item_len(tp: int) -> int:  # bytes of one page of one entry on a rank
         return page * max(1, total // tp) * head_bytes
 
+    ids = list(range(entries)) if rep["target"]["kv_layer_ids"] else []  # only their presence counts
     manager = SimpleNamespace(
         kv_args=SimpleNamespace(num_draft_entries=entries, draft_total_kv_head_num=total,
-                                kv_item_lens=[item_len(tp_p)] * entries),
+                                kv_item_lens=[item_len(tp_p)] * entries, kv_layer_ids=ids),
         attn_tp_size=tp_p, enable_staging=envs.SGLANG_DISAGG_STAGING_BUFFER.get(),
         is_mla_backend=rep["target"]["mla_pool"],
-        pp_size=1,  # both sides of a DFLASH deployment publish layer ids: no mismatch there
+        pp_size=1,  # both sides run one model and draft: both publish ids or neither
     )
     peer = SimpleNamespace(dst_attn_tp_size=tp_d, dst_tp_rank=0, requires_dcp_relayout=False,
-                           dst_kv_item_lens=[item_len(tp_d)] * entries)
+                           dst_kv_item_lens=[item_len(tp_d)] * entries, dst_kv_layer_ids=ids)
     mismatch = MooncakeKVManager._draft_kv_layout_mismatch(manager, peer)
     if mismatch:
         refuse(rep, "decode registration (MooncakeKVManager._draft_kv_layout_mismatch)", mismatch)
