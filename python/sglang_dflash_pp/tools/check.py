@@ -170,10 +170,7 @@ def _plan(rep: dict, record, inputs: CheckInputs) -> None:
             # What the Mooncake manager calls is_mla_backend: a plain MLA pool (a hybrid
             # linear-attention pool is not one), whose decode ranks pull from one P rank each.
             mla_pool=target.attention_arch == AttentionArch.MLA and not mambaish_config(target),
-            # build_kv_layer_ids under DFLASH: a hybrid linear-attention pool or a plain MHA
-            # pool publishes ids; an SWA or plain MLA pool does not.
-            kv_layer_ids=bool(mambaish_config(target)) or (
-                target.attention_arch != AttentionArch.MLA and not target.is_hybrid_swa),
+            kv_layer_ids=_publishes_kv_layer_ids(target, resolved),
         )
         rep["draft"] = dict(
             num_layers=int(aux.dflash_draft_num_layers), hidden_size=draft.hf_config.hidden_size,
@@ -182,6 +179,24 @@ def _plan(rep: dict, record, inputs: CheckInputs) -> None:
         _stages(rep, int(resolved["pp_size"]), target, model_cls, draft)
         _draft_kv(rep, record, resolved, draft, inputs)
         _draft_against_target(rep, resolved, target)
+
+
+def _publishes_kv_layer_ids(target, resolved: dict) -> bool:
+    """Whether ``build_kv_layer_ids`` (under DFLASH) gives ids for the pool that
+    ``_build_token_to_kv_pool`` picks for this target, in its order: an SWA pool none
+    (a hybrid linear-attention model with sliding layers too); a MiniMax sparse pool only on
+    its NVFP4 stack; a hybrid linear-attention pool or a plain MHA pool ids; a plain MLA pool
+    none. (Unified memory, whose envelope has none, is refused with PD speculative decoding
+    over Mooncake.)"""
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+    from sglang.srt.configs.model_config import (
+        AttentionArch, is_minimax_sparse, uses_minimax_m3_nvfp4_native_stack)
+
+    if target.is_hybrid_swa:
+        return False
+    if is_minimax_sparse(target.hf_config):
+        return uses_minimax_m3_nvfp4_native_stack(resolved.get("quantization"))
+    return bool(mambaish_config(target)) or target.attention_arch != AttentionArch.MLA
 
 
 def _draft_against_target(rep: dict, resolved: dict, target) -> None:
