@@ -52,6 +52,7 @@ requests keep the suite's retry after a Mooncake TCP transport stall (``cpu_serv
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -327,26 +328,34 @@ def test_reference_is_a_chunked_dflash_run_with_head_split_draft_kv(reference):
 # -- 1. the client goes away mid chunked prefill ---------------------------------------------------
 
 
-def test_client_disconnect_mid_chunked_prefill(fx, reference):
-    flush(fx)
-    body = json.dumps({"text": fault_prompt("f1"), "rid": "f1-dropped",
-                       "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0}})
-    offset = log_offset(fx.dep["P"])
-    router = fx.dep["R"]
+@contextlib.contextmanager
+def generate_then_drop(router, text: str, rid: str, max_new_tokens: int):
+    """Send a /generate and yield its socket; the client goes away when the block ends,
+    without reading the answer."""
+    body = json.dumps({"text": text, "rid": rid, "sampling_params": {
+        "max_new_tokens": max_new_tokens, "temperature": 0}})
     sock = socket.create_connection(("127.0.0.1", router.port), timeout=10)
     try:
         sock.sendall((f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{router.port}\r\n"
                       "Content-Type: application/json\r\n"
                       f"Content-Length: {len(body.encode())}\r\nConnection: close\r\n\r\n"
                       ).encode() + body.encode())
-        # an answer (an early error) would make the socket readable
-        answered = lambda: bool(select.select([sock], [], [], 0)[0])  # noqa: E731
-        left = wait_until_prefilling(fx, offset, request_done=answered)
+        yield sock
     finally:
         try:
             sock.shutdown(socket.SHUT_RDWR)
         finally:
             sock.close()
+
+
+def test_client_disconnect_mid_chunked_prefill(fx, reference):
+    flush(fx)
+    offset = log_offset(fx.dep["P"])
+    with generate_then_drop(fx.dep["R"], fault_prompt("f1"), "f1-dropped",
+                            MAX_NEW_TOKENS) as sock:
+        # an answer (an early error) would make the socket readable
+        answered = lambda: bool(select.select([sock], [], [], 0)[0])  # noqa: E731
+        left = wait_until_prefilling(fx, offset, request_done=answered)
     dropped_at = time.time()
     assert left >= MIN_LEFT * CHUNK, f"only {left} tokens were left to prefill at the disconnect"
     assert_recovered(fx, dropped_at, "the client disconnect")
@@ -412,20 +421,8 @@ STORM_DROPS_S = (0.05, 0.3, 0.8, 1.5, 2.5, 4.0, 6.0, 9.0)  # client drops after 
 
 
 def drop_after(router, text: str, rid: str, delay_s: float) -> None:
-    body = json.dumps({"text": text, "rid": rid,
-                       "sampling_params": {"max_new_tokens": 64, "temperature": 0}})
-    sock = socket.create_connection(("127.0.0.1", router.port), timeout=10)
-    try:
-        sock.sendall((f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{router.port}\r\n"
-                      "Content-Type: application/json\r\n"
-                      f"Content-Length: {len(body.encode())}\r\nConnection: close\r\n\r\n"
-                      ).encode() + body.encode())
+    with generate_then_drop(router, text, rid, 64):
         time.sleep(delay_s)
-    finally:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        finally:
-            sock.close()
 
 
 def test_an_abort_storm_leaves_no_room_state(fx, reference):
