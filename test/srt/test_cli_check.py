@@ -110,12 +110,68 @@ def test_other_prefill_rank_and_decode_tp_sizes(capsys, patched_sglang):
                                 descriptors=4096 * 12, send="head by head")]
 
 
+def test_transfer_per_stage(capsys, patched_sglang):
+    code, r = check_json(capsys, "--example", "kimi-k3", "--prompt-tokens", "32768")
+    t = r["transfer"]
+    assert code == EXIT_OK and (t["prompt_tokens"], t["link_gbps"]) == (32768, 50.0)
+    assert t["decode_ranks"] == list(range(8))
+    # 0-based full-attention (MLA) layers 3, 7, ..., 91 and 92; the others are KDA. Stage 0
+    # [0, 11) holds 2 MLA + 9 KDA layers, stages 1-2 3 + 8, 3-6 3 + 9, stage 7 [81, 93) 4 + 8.
+    mla = [2, 3, 3, 3, 3, 3, 3, 4]
+    kda = [11 - 2, 11 - 3, 11 - 3, 12 - 3, 12 - 3, 12 - 3, 12 - 3, 12 - 4]
+    # The latent (512 + 64) x bf16 of every position, whole to each of the 8 D ranks.
+    assert [s["target_bytes"] for s in t["stages"]] == [32768 * m * 1152 * 8 for m in mla]
+    # A KDA layer's state at TP4: 16 heads x 128 x 128 fp32 + 3 convs of 2048 x 3 bf16.
+    assert [s["state_bytes"] for s in t["stages"]] == [k * (16 * 128 * 128 * 4 + 36864) for k in kda]
+    draft = 8 * 32768 * 12 * 256  # every position's draft head to each D rank
+    assert [s["draft_bytes"] for s in t["stages"]] == [0] * 7 + [draft]
+    last = t["stages"][7]
+    assert last["total_bytes"] == 32768 * 4 * 1152 * 8 + 8 * 1085440 + draft
+    assert last["link_ms"] == pytest.approx(last["total_bytes"] / 50e9 * 1e3)
+    assert t["slowest_stage"] == 7
+    # The draft's window (4096 tokens) covers the last 64 of the 512 pages it is sent.
+    assert t["draft_window"] == dict(window=4096, pages=64, draft_bytes_in_window=draft // 8)
+    assert r["draft_kv"]["gathers"] == 4  # one per 8192-token chunk, for all 8 D ranks
+    code, r = check_json(capsys, "--example", "kimi-k3", "--prompt-tokens", "32768",
+                         "--link-gbps", "100")
+    assert r["transfer"]["stages"][7]["link_ms"] == pytest.approx(last["link_ms"] / 2)
+
+
+def test_transfer_per_stage_of_a_dense_target(capsys, model_dirs, patched_sglang):
+    def config(name):
+        with open(os.path.join(model_dirs[name], "config.json")) as f:
+            return json.load(f)
+
+    target, draft = config("target"), config("draft_dense")
+    code, r = check_json(capsys, "--decode-tp-size", "1", "--prompt-tokens", "100", "--",
+                         "--model-path", model_dirs["target"], "--speculative-draft-model-path",
+                         model_dirs["draft_dense"], "--speculative-algorithm", "DFLASH",
+                         "--pp-size", "2", "--disaggregation-mode", "prefill",
+                         "--disaggregation-transfer-backend", "mooncake",
+                         "--cuda-graph-backend-prefill", "disabled", "--page-size", "16")
+    t = r["transfer"]
+    assert code == EXIT_OK and t["draft_window"] is None  # a draft of full attention
+    rows = 7 * 16  # 100 tokens in whole pages
+    # 4 layers a stage, K and V of each, bf16; the draft's layers on stage 1.
+    assert (target["num_hidden_layers"], draft["torch_dtype"]) == (8, "bfloat16")
+    per_token = 2 * target["num_key_value_heads"] * target["head_dim"] * 2
+    target = rows * 4 * per_token
+    draft = rows * draft["num_hidden_layers"] * 2 * draft["num_key_value_heads"] * (
+        draft["head_dim"] * 2)
+    assert [(s["target_bytes"], s["state_bytes"], s["draft_bytes"]) for s in t["stages"]] == [
+        (target, 0, 0), (target, 0, draft)]
+    assert t["slowest_stage"] == 1
+
+
 def test_text_output(capsys, patched_sglang):
     assert main(["check", "--example", "kimi-k3"]) == EXIT_OK
     text = capsys.readouterr().out
     assert "stage 7  layers [81, 93)  features: 5 (layer 90)" in text
     assert "D rank 7: heads [1], 12,582,912 B, 12 descriptors (packed)" in text
     assert "in all: 100,663,296 B, 96 descriptors" in text
+    assert "packed by 1 gather(s) on the GPU" in text
+    assert "  stage 7: target    150,994,944 B  state   8,683,520 B  draft    100,663,296 B  = " \
+        "    5.21 ms  <- slowest" in text
     assert text.rstrip().endswith("Startup would accept this deployment.")
 
 

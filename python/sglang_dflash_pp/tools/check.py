@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import List
 
+from sglang_dflash_pp.tools.check_transfer import stage_transfer
 from sglang_dflash_pp.tools.resolve import quiet_sglang, resolve
 
 SHOWN = ("tp_size", "pp_size", "ep_size", "page_size", "kv_cache_dtype", "speculative_algorithm",
@@ -39,6 +40,7 @@ class CheckInputs:
     prompt_tokens: int
     prefill_rank: int = 0  # the last stage's attention-TP rank whose writes are listed
     label: str = "prefill launch arguments"
+    link_gbps: float = 50.0  # the link one prefill rank sends on, in GB/s
 
 
 def run_check(inputs: CheckInputs, verbose: bool = False) -> dict:
@@ -177,7 +179,8 @@ def _plan(rep: dict, record, inputs: CheckInputs) -> None:
             kv_heads=draft.get_total_num_kv_heads(), head_dim=draft.head_dim,
             target_layer_ids=list(aux.dflash_target_layer_ids))
         _stages(rep, int(resolved["pp_size"]), target, model_cls, draft)
-        _draft_kv(rep, record, resolved, draft, inputs)
+        kv_dtype = _draft_kv(rep, record, resolved, draft, inputs)
+        stage_transfer(rep, target, draft, kv_dtype(target.dtype, False), inputs.link_gbps)
         _draft_against_target(rep, resolved, target)
 
 
@@ -254,9 +257,10 @@ def _stages(rep: dict, pp: int, target, model_cls, draft) -> None:
                                      raw_captures=raw_bytes * hidden * k))
 
 
-def _draft_kv(rep: dict, record, resolved: dict, draft, inputs: CheckInputs) -> None:
+def _draft_kv(rep: dict, record, resolved: dict, draft, inputs: CheckInputs):
     """Draft KV heads per rank on both sides, what one last-stage P rank writes to which D ranks
-    (``send_kvcache_slice(draft=True)``) per request, and the decode's registration verdict."""
+    (``send_kvcache_slice(draft=True)``) per request, and the decode's registration verdict.
+    Returns the KV cache dtype sglang gives a pool (``kv_dtype(model_dtype, is_draft)``)."""
     from sglang.srt.arg_groups.model_override_base import resolved_view
     from sglang.srt.disaggregation.common.staging_buffer import compute_head_slice_params
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
@@ -264,12 +268,16 @@ def _draft_kv(rep: dict, record, resolved: dict, draft, inputs: CheckInputs) -> 
     from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
     from sglang.srt.runtime_context import attn_tp_size_of
 
-    _, dtype = configure_kv_cache_dtype(
-        server_args_kv_cache_dtype=str(resolved.get("kv_cache_dtype") or "auto"),
-        model=None, model_dtype=draft.dtype, is_draft_worker=True, is_dflash=True,
-        speculative_draft_attention_backend=resolved.get("speculative_draft_attention_backend"),
-        speculative_draft_kv_cache_dtype=resolved.get("speculative_draft_kv_cache_dtype"),
-    )
+    def kv_dtype(model_dtype, is_draft: bool):
+        return configure_kv_cache_dtype(
+            server_args_kv_cache_dtype=str(resolved.get("kv_cache_dtype") or "auto"),
+            model=None, model_dtype=model_dtype, is_draft_worker=is_draft, is_dflash=True,
+            speculative_draft_attention_backend=resolved.get(
+                "speculative_draft_attention_backend"),
+            speculative_draft_kv_cache_dtype=resolved.get("speculative_draft_kv_cache_dtype"),
+        )[1]
+
+    dtype = kv_dtype(draft.dtype, True)
     total, entries = rep["draft"]["kv_heads"], 2 * rep["draft"]["num_layers"]  # K, V per layer
     tp_p, tp_d, q = attn_tp_size_of(resolved_view(record)), inputs.decode_tp, inputs.prefill_rank
     page, head_bytes = int(resolved["page_size"]), rep["draft"]["head_dim"] * dtype.itemsize
@@ -301,24 +309,35 @@ def _draft_kv(rep: dict, record, resolved: dict, draft, inputs: CheckInputs) -> 
     targets = range(q * tp_d // tp_p, max(q * tp_d // tp_p + 1, (q + 1) * tp_d // tp_p))
     # Each prefill chunk goes on its own, as whole pages of rows: at equal TP as page runs, at
     # another TP one descriptor per token row and entry, unless a CUDA pack buffer (2+ heads per
-    # P rank, chunked prefill: _init_draft_kv_pack_buffers) packs a D rank's heads into runs.
+    # P rank, chunked prefill: _init_draft_kv_pack_buffers_once, a chunk of whole rows) packs a
+    # D rank's heads into page runs: one gather for all D ranks where the chunk's rows fit it,
+    # else one per D rank and piece of the buffer (_send_packed_head_slices).
     chunk, tokens = int(resolved.get("chunked_prefill_size") or 0), inputs.prompt_tokens
     sizes = [min(chunk, tokens - i) for i in range(0, tokens, chunk)] if chunk > 0 else [tokens]
     rows = [-(-t // page) * page for t in sizes]
     packs = chunk > 0 and total // tp_p >= 2 and resolved.get("device") == "cuda"
-    capacity = (chunk + page) * entries * item_len(tp_p) // page // 2  # the pack buffer's bytes
-    writes = []
+    capacity = -(-chunk // page) * entries * item_len(tp_p)  # the pack buffer's bytes
+    writes, n_dst = [], max(1, total // tp_d)  # heads a D rank holds
+    packed = packs and n_dst < total // tp_p
+    per_piece = capacity // (entries * item_len(tp_d))  # pages of a D rank's slice
+
+    def sends(r: int) -> int:  # descriptors per entry for r rows (contiguous pages)
+        return 1 if tp_p == tp_d else -(-r // page // per_piece) if packed else r
+
     for d in [] if mismatch else targets:
         src, n, _, _ = compute_head_slice_params(tp_p, tp_d, q, d, total)
-        packed = packs and n < total // tp_p
-        runs = [tp_p == tp_d or packed and r * entries * n * head_bytes <= capacity for r in rows]
-        send = "page runs" if tp_p == tp_d else "packed" if all(runs) else "head by head"
+        send = "page runs" if tp_p == tp_d else "packed" if packed else "head by head"
         writes.append(dict(decode_rank=d, heads=heads(tp_p, q)[src : src + n], send=send,
                            bytes=sum(rows) * entries * n * head_bytes,
-                           descriptors=entries * sum(1 if a else r for r, a in zip(rows, runs))))
+                           descriptors=entries * sum(sends(r) for r in rows)))
+    # One gather of a chunk's whole rows serves every D rank; a larger one goes per D rank.
+    whole = [r * entries * item_len(tp_p) // page <= capacity for r in rows]
+    gathers = sum(1 if w else len(writes) * sends(r) for r, w in zip(rows, whole))
     rep["draft_kv"] = dict(
         dtype=str(dtype).replace("torch.", ""), page_size=page, entries=entries,
         prefill_tp=tp_p, decode_tp=tp_d, prefill_heads=[heads(tp_p, r) for r in range(tp_p)],
         decode_heads=[heads(tp_d, r) for r in range(tp_d)], prompt_tokens=tokens,
         chunks=len(sizes), pages=sum(rows) // page, prefill_rank=q, writes=writes,
+        gathers=gathers if packed and writes else 0,
     )
+    return kv_dtype

@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-tokens", type=int, help="prompt length per request (default 4096)")
     p.add_argument("--page-size", type=int, help="P and D --page-size")
     p.add_argument("--prefill-rank", type=int, default=0, help="the P rank whose writes are shown")
+    p.add_argument("--link-gbps", type=float, default=50.0,
+                   help="GB/s of a prefill rank's link, for the transfer time per stage (50)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--verbose", action="store_true", help="keep sglang's INFO logs (stderr)")
 
@@ -52,7 +54,8 @@ def run(parser, args) -> int:
                      "--decode-tp-size (the decode's attention TP)")
     if args.page_size:
         launch += ["--page-size", str(args.page_size)]
-    inputs = CheckInputs(launch_argv(launch), decode_tp, tokens or 4096, args.prefill_rank, label)
+    inputs = CheckInputs(launch_argv(launch), decode_tp, tokens or 4096, args.prefill_rank, label,
+                         args.link_gbps)
     try:
         report = run_check(inputs, verbose=args.verbose)
     except UsageError as e:

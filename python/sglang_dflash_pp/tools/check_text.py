@@ -22,6 +22,8 @@ def render(rep: dict) -> str:
         out += _stages(rep)
     if "draft_kv" in rep:
         out += _draft_kv(rep["draft_kv"], rep["draft"])
+    if "transfer" in rep:
+        out += _transfer(rep["transfer"])
     if "draft_target" in rep:
         from sglang_dflash_pp.tools.draft_target import Finding, render as findings
 
@@ -71,4 +73,25 @@ def _draft_kv(k: dict, d: dict) -> list:
             f"{x['descriptors']:,} descriptors ({x['send']})" for x in w]
     out.append(f"    in all: {sum(x['bytes'] for x in w):,} B, "
                f"{sum(x['descriptors'] for x in w):,} descriptors")
+    if k["gathers"]:
+        out.append(f"    packed by {k['gathers']} gather(s) on the GPU (one per chunk serves every "
+                   "D rank when the pack buffer holds the chunk's rows)")
+    return out
+
+
+def _transfer(t: dict) -> list:
+    ranks = t["decode_ranks"]
+    out = ["", f"Transfer per request ({t['prompt_tokens']:,}-token prompt): P rank "
+           f"{t['prefill_rank']} of each stage to D ranks {ranks[0]}..{ranks[-1]}, at "
+           f"{t['link_gbps']:g} GB/s"]
+    for s in t["stages"]:
+        slowest = "  <- slowest" if s["stage"] == t["slowest_stage"] else ""
+        out.append(f"  stage {s['stage']}: target {s['target_bytes']:>14,} B  state "
+                   f"{s['state_bytes']:>11,} B  draft {s['draft_bytes']:>14,} B  = "
+                   f"{s['link_ms']:8.2f} ms{slowest}")
+    w = t["draft_window"]
+    if w:
+        out.append(f"  The draft attends to a sliding window of {w['window']:,} tokens: of the "
+                   f"draft KV sent, the decode's draft can read {w['pages']} page(s), "
+                   f"{w['draft_bytes_in_window']:,} B; every position is sent.")
     return out
