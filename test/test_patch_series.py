@@ -500,9 +500,11 @@ def test_product_code_sizes(exported_series, capsys):
         for number, title, n in rows:
             print(f"  {number} {title[:60]:60s} {n:5d}")
         print(f"  {'the head-by-head send + DFLASH with PP':65s} {feature:5d}  (<= 1000)")
-        print(f"  {'series':65s} {total:5d}  (<= 1500)")
+        print(f"  {'series':65s} {total:5d}  (<= 1750)")
     assert feature <= 1000
-    assert total <= 1500
+    # 1,500 once merge-ready (issue 43), and at most 250 more for the draft KV at its
+    # physical minimum (issue 44).
+    assert total <= 1750
 
 
 def commit_message(patch_text: str) -> str:
