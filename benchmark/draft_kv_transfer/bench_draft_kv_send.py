@@ -273,7 +273,8 @@ def gpu(reps: int, warmup: int, kernel_dir: str, host_result: str, out: str) -> 
             torch.cuda.synchronize()
         device_us = {"kernel": 0.0, "host_to_device_copies": 0.0}
         for e in prof.key_averages():
-            us = getattr(e, "self_device_time_total", None) or e.self_cuda_time_total
+            us = getattr(e, "self_device_time_total", None)
+            us = e.self_cuda_time_total if us is None else us
             if "copy_mla_rows_into_pack" in e.key:
                 device_us["kernel"] += us / reps
             elif "Memcpy HtoD" in e.key:
