@@ -110,6 +110,18 @@ def test_other_prefill_rank_and_decode_tp_sizes(capsys, patched_sglang):
                                 descriptors=4096 * 12, send="head by head")]
 
 
+def test_a_replica_prefill_rank_writes_nothing(capsys, tmp_path, patched_sglang):
+    # 4 draft heads at P TP8 (each head on 2 P ranks) to D TP2: P rank 1 holds head 0, which
+    # P rank 0 writes to D rank 0 (send_kvcache_slice leaves it to the rank before it).
+    argv = ["--example", "kimi-k3", "--decode-tp-size", "2", "--prefill-rank", "1", "--",
+            "--tp-size", "8", "--ep-size", "8", "--speculative-draft-model-path",
+            _draft_with(tmp_path, num_key_value_heads=4)]
+    code, r = check_json(capsys, *argv)
+    assert code == EXIT_OK and r["draft_kv"]["writes"] == [dict(
+        decode_rank=0, heads=[0], send="silent: P rank 0 writes them", bytes=0, descriptors=0)]
+    assert r["transfer"]["stages"][-1]["draft_bytes"] == 0
+
+
 def test_transfer_per_stage(capsys, patched_sglang):
     code, r = check_json(capsys, "--example", "kimi-k3", "--prompt-tokens", "32768")
     t = r["transfer"]

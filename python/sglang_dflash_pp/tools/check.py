@@ -266,7 +266,8 @@ def _draft_kv(rep: dict, record, resolved: dict, draft, inputs: CheckInputs):
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
     from sglang.srt.environ import envs
     from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
-    from sglang.srt.runtime_context import attn_tp_size_of
+    from sglang.srt.runtime_context import (attn_tp_size_of, get_schedule,
+                                            max_prefill_buffer_tokens)
 
     def kv_dtype(model_dtype, is_draft: bool):
         return configure_kv_cache_dtype(
@@ -315,8 +316,10 @@ def _draft_kv(rep: dict, record, resolved: dict, draft, inputs: CheckInputs):
     chunk, tokens = int(resolved.get("chunked_prefill_size") or 0), inputs.prompt_tokens
     sizes = [min(chunk, tokens - i) for i in range(0, tokens, chunk)] if chunk > 0 else [tokens]
     rows = [-(-t // page) * page for t in sizes]
-    packs = chunk > 0 and total // tp_p >= 2 and resolved.get("device") == "cuda"
-    capacity = -(-chunk // page) * entries * item_len(tp_p)  # the pack buffer's bytes
+    packs = total // tp_p >= 2 and resolved.get("device") == "cuda"
+    # The pack buffer's bytes, as _init_draft_kv_pack_buffers_once sizes it.
+    buffer_tokens = max_prefill_buffer_tokens() or get_schedule().max_prefill_tokens
+    capacity = -(-buffer_tokens // page) * entries * item_len(tp_p)
     writes, n_dst = [], max(1, total // tp_d)  # heads a D rank holds
     packed = packs and n_dst < total // tp_p
     per_piece = capacity // (entries * item_len(tp_d))  # pages of a D rank's slice
@@ -325,11 +328,15 @@ def _draft_kv(rep: dict, record, resolved: dict, draft, inputs: CheckInputs):
         return 1 if tp_p == tp_d else -(-r // page // per_piece) if packed else r
 
     for d in [] if mismatch else targets:
-        src, n, _, _ = compute_head_slice_params(tp_p, tp_d, q, d, total)
+        src, n, dst, _ = compute_head_slice_params(tp_p, tp_d, q, d, total)
         send = "page runs" if tp_p == tp_d else "packed" if packed else "head by head"
+        # A replica leaves the heads to the prefill rank before it (each byte written once).
+        silent = bool(q % max(1, tp_p // tp_d)) and compute_head_slice_params(
+            tp_p, tp_d, q - 1, d, total)[2] == dst
+        send = f"silent: P rank {q - 1} writes them" if silent else send
         writes.append(dict(decode_rank=d, heads=heads(tp_p, q)[src : src + n], send=send,
-                           bytes=sum(rows) * entries * n * head_bytes,
-                           descriptors=entries * sum(sends(r) for r in rows)))
+                           bytes=0 if silent else sum(rows) * entries * n * head_bytes,
+                           descriptors=0 if silent else entries * sum(sends(r) for r in rows)))
     # One gather of a chunk's whole rows serves every D rank; a larger one goes per D rank.
     whole = [r * entries * item_len(tp_p) // page <= capacity for r in rows]
     gathers = sum(1 if w else len(writes) * sends(r) for r, w in zip(rows, whole))
