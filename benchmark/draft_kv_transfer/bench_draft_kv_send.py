@@ -32,14 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+import carried_code  # noqa: E402
 import provenance  # noqa: E402
 
 TOKENS, PAGE, LAYERS, HEADS, HEAD_DIM, ELEM = 8192, 64, 6, 8, 128, 2
@@ -172,30 +171,8 @@ STAND_INS = {  # the two sglang names dcp_pack.py imports besides the kernel
 }
 
 
-def carry(directory: str) -> None:
-    """Copy the gather's code from the installed, patched sglang into ``directory``."""
-    import importlib.util
-
-    package = os.path.dirname(importlib.util.find_spec("sglang").origin)
-    os.makedirs(directory, exist_ok=True)
-    for name, rel in CARRIED.items():
-        shutil.copyfile(os.path.join(package, rel), os.path.join(directory, name))
-
-
 def import_try_pack(kernel_dir: str):
-    root = tempfile.mkdtemp(prefix="dcp_pack_pkg_")
-    files = {f"sglang/{rel}": os.path.join(kernel_dir, name) for name, rel in CARRIED.items()}
-    for rel, src in files.items():
-        os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
-        shutil.copyfile(src, os.path.join(root, rel))
-    for rel, text in STAND_INS.items():
-        os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
-        with open(os.path.join(root, rel), "w") as f:
-            f.write(text)
-    for folder, _, names in os.walk(os.path.join(root, "sglang")):
-        if "__init__.py" not in names:
-            open(os.path.join(folder, "__init__.py"), "w").close()
-    sys.path.insert(0, root)
+    sys.path.insert(0, carried_code.assemble(kernel_dir, CARRIED, STAND_INS))
     from sglang.srt.disaggregation.common.dcp_pack import try_pack_dcp_src
 
     return try_pack_dcp_src
@@ -337,7 +314,7 @@ def main() -> None:
     p.add_argument("--out")
     args = p.parse_args()
     if args.carry:
-        carry(args.carry)
+        carried_code.carry(args.carry, CARRIED)
     elif args.host:
         host(args.reps, args.out)
     else:

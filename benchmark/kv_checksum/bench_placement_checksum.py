@@ -31,15 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))
+import carried_code  # noqa: E402
 import provenance  # noqa: E402
 
 TOKENS = 8192
@@ -75,10 +74,8 @@ def carry(directory: str) -> None:
     import ast
     import importlib.util
 
+    carried_code.carry(directory, CARRIED)
     package = os.path.dirname(importlib.util.find_spec("sglang").origin)
-    os.makedirs(directory, exist_ok=True)
-    for name, rel in CARRIED.items():
-        shutil.copyfile(os.path.join(package, rel), os.path.join(directory, name))
     path = os.path.join(package, "srt/disaggregation/common/staging_buffer.py")
     source = open(path).read()
     (node,) = [n for n in ast.parse(source).body
@@ -92,21 +89,8 @@ def link_ms(nbytes: int) -> float:
 
 
 def build_package(kernel_dir: str) -> str:
-    root = tempfile.mkdtemp(prefix="checksum_pkg_")
-    files = {f"sglang/{rel}": os.path.join(kernel_dir, name) for name, rel in CARRIED.items()}
-    files["sglang/srt/disaggregation/common/staging_buffer.py"] = os.path.join(
-        kernel_dir, "staging_buffer.py")
-    for rel, src in files.items():
-        os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
-        shutil.copyfile(src, os.path.join(root, rel))
-    for rel, text in STAND_INS.items():
-        os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
-        with open(os.path.join(root, rel), "w") as f:
-            f.write(text)
-    for folder, _, names in os.walk(os.path.join(root, "sglang")):
-        if "__init__.py" not in names:
-            open(os.path.join(folder, "__init__.py"), "w").close()
-    return root
+    carried = {**CARRIED, "staging_buffer.py": "srt/disaggregation/common/staging_buffer.py"}
+    return carried_code.assemble(kernel_dir, carried, STAND_INS)
 
 
 def side(mla_layers: int, draft_heads: int, tp: int):
