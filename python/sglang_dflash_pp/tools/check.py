@@ -344,7 +344,8 @@ def _draft_kv(rep: dict, record, resolved: dict, draft, inputs: CheckInputs):
         dtype=str(dtype).replace("torch.", ""), page_size=page, entries=entries,
         prefill_tp=tp_p, decode_tp=tp_d, prefill_heads=[heads(tp_p, r) for r in range(tp_p)],
         decode_heads=[heads(tp_d, r) for r in range(tp_d)], prompt_tokens=tokens,
-        chunks=len(sizes), pages=sum(rows) // page, prefill_rank=q, writes=writes,
+        chunks=len(sizes), pages=sum(rows) // page, prefill_rank=q, decode_ranks=list(targets),
+        writes=writes,
         gathers=gathers if packed and writes else 0,
     )
     return kv_dtype

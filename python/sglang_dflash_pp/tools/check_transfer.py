@@ -28,8 +28,7 @@ def stage_transfer(rep: dict, target, draft, kv_dtype, link_gbps: float) -> None
 
     k = rep["draft_kv"]
     tp_p, tp_d, q, page = k["prefill_tp"], k["decode_tp"], k["prefill_rank"], k["page_size"]
-    tokens = k["pages"] * page
-    targets = range(q * tp_d // tp_p, max(q * tp_d // tp_p + 1, (q + 1) * tp_d // tp_p))
+    tokens, targets = k["pages"] * page, k["decode_ranks"]  # the D ranks P rank q writes
     hybrid = mambaish_config(target)
     state_layers, state_bytes_per_layer = [], 0
     if hybrid:
@@ -64,7 +63,7 @@ def stage_transfer(rep: dict, target, draft, kv_dtype, link_gbps: float) -> None
     slowest = max(stages, key=lambda r: r["total_bytes"])
     rep["transfer"] = dict(
         prompt_tokens=k["prompt_tokens"], link_gbps=link_gbps, prefill_rank=q,
-        decode_ranks=list(targets), stages=stages, slowest_stage=slowest["stage"],
+        decode_ranks=targets, stages=stages, slowest_stage=slowest["stage"],
         draft_window=_window(window, k, draft_bytes),
     )
 
